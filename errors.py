@@ -1,0 +1,50 @@
+"""The DflashError family: every failure a user can cause or fix, each with a message that says what to do."""
+from __future__ import annotations
+
+__all__ = [
+    "DflashError",
+    "InputError",
+    "ConfigError",
+    "StoreError",
+    "ManifestMismatch",
+    "CorruptShard",
+    "AssetError",
+    "NotBuiltError",
+]
+
+
+class DflashError(Exception):
+    """Base of every error dflash reports to its user; the CLI prints the message alone and exits 2.
+
+    A message names the path, what was expected, what was found, and the command that fixes it.
+    """
+
+    exit_code = 2
+
+
+class InputError(DflashError):
+    """Bad user input: a data file, a model folder, a command-line value."""
+
+
+class ConfigError(InputError):
+    """A configuration value outside what is allowed."""
+
+
+class StoreError(DflashError):
+    """A feature store that cannot be opened, written or trusted."""
+
+
+class ManifestMismatch(StoreError):
+    """A store (or checkpoint) was made with different settings than the ones asked for now."""
+
+
+class CorruptShard(StoreError):
+    """A committed shard whose bytes no longer match its commit record."""
+
+
+class AssetError(DflashError):
+    """A bundled asset (the embedded model, the prompts) is missing or unusable."""
+
+
+class NotBuiltError(DflashError):
+    """A command whose capability is not part of this version yet."""

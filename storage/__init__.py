@@ -1,0 +1,2 @@
+"""dflash.storage"""
+from __future__ import annotations

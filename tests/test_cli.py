@@ -1,0 +1,153 @@
+"""The CLI group: help, version, clean errors, --config files with flag overrides, lazy imports."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from dflash import __version__
+from dflash.cli import cli, config_option, main
+
+COMMANDS = ["extract", "train", "eval", "export", "inspect", "verify", "generate", "demo"]
+
+
+def run_dflash(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(["dflash", *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_help_lists_every_command():
+    proc = run_dflash("--help")
+    assert proc.returncode == 0, proc.stderr
+    listed = [line.split()[0] for line in proc.stdout.split("Commands:")[1].strip().splitlines()]
+    assert sorted(listed) == sorted(COMMANDS)
+
+
+def test_version():
+    proc = run_dflash("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"dflash, version {__version__}"
+
+
+def test_cli_import_stays_light():
+    # `dflash --help` must answer at once: nothing heavy may be imported with the CLI.
+    code = "import sys, dflash.cli; print(sorted(m for m in ('torch', 'transformers', 'zarr') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_dflash_error_is_one_line_exit_2_without_traceback(tmp_path):
+    proc = run_dflash("extract", "--model", str(tmp_path), "--data", "x.jsonl", "--out", str(tmp_path / "s"), "--gpus", "zero")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("dflash: error: --gpus 'zero'")
+
+
+def test_unexpected_exception_keeps_traceback(monkeypatch):
+    @cli.command(name="boom-test")
+    def boom():
+        raise RuntimeError("kaboom")
+
+    try:
+        with pytest.raises(RuntimeError, match="kaboom"):
+            main(["boom-test"])
+    finally:
+        cli.commands.pop("boom-test")
+
+
+def test_usage_error_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["extract"])
+    assert exc.value.code == 2
+    assert "Missing option '--model'" in capsys.readouterr().err
+
+
+@click.command()
+@config_option
+@click.option("--alpha", default=1, type=int)
+@click.option("--beta-gamma", default="x")
+@click.option("--flag", is_flag=True)
+def probe(alpha: int, beta_gamma: str, flag: bool) -> None:
+    click.echo(json.dumps({"alpha": alpha, "beta_gamma": beta_gamma, "flag": flag}))
+
+
+@pytest.mark.parametrize(
+    "name,text",
+    [
+        ("c.yaml", "alpha: 5\nbeta-gamma: from-file\nflag: true\n"),
+        ("c.toml", 'alpha = 5\nbeta_gamma = "from-file"\nflag = true\n'),
+        ("c.json", '{"alpha": 5, "beta-gamma": "from-file", "flag": true}'),
+        ("c.yml", "probe:\n  alpha: 5\n  beta_gamma: from-file\n  flag: true\nother:\n  zzz: 1\n"),
+    ],
+)
+def test_config_file_sets_defaults_and_flags_win(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    runner = CliRunner()
+    res = runner.invoke(probe, ["--config", str(path)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output) == {"alpha": 5, "beta_gamma": "from-file", "flag": True}
+    res = runner.invoke(probe, ["--config", str(path), "--alpha", "7"])
+    assert json.loads(res.output) == {"alpha": 7, "beta_gamma": "from-file", "flag": True}
+    # the file may come after the flag on the command line: the flag still wins
+    res = runner.invoke(probe, ["--beta-gamma", "cli", "--config", str(path)])
+    assert json.loads(res.output)["beta_gamma"] == "cli"
+
+
+def test_config_file_unknown_option_is_refused_by_name(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("epochs: 2\nlearning_rate: 0.1\n")
+    proc = run_dflash("train", "--config", str(path))
+    assert proc.returncode == 2
+    assert "has no option 'learning_rate'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("content,why", [("alpha: [1, 2\n", "not valid YAML"), ("- 1\n- 2\n", "expected a mapping")])
+def test_config_file_bad_content(tmp_path, content, why):
+    path = tmp_path / "c.yaml"
+    path.write_text(content)
+    with pytest.raises(Exception) as exc:
+        probe.main(["--config", str(path)], standalone_mode=False)
+    assert why in str(exc.value) and str(path) in str(exc.value)
+
+
+def test_config_roundtrip_and_validation(tmp_path):
+    from dflash.config import ExtractConfig, TrainConfig
+    from dflash.errors import ConfigError
+
+    cfg = ExtractConfig(model="m", data=("a.jsonl", "b.jsonl"), out="s", layers=(1, 2, 3))
+    cfg.save(tmp_path / "c.json")
+    assert ExtractConfig.load(tmp_path / "c.json") == cfg
+    with pytest.raises(ConfigError, match="--codec 'zip' is not one of"):
+        ExtractConfig(model="m", data=("a",), out="s", codec="zip")
+    with pytest.raises(ConfigError, match="--sliding-window and --full-every go together"):
+        TrainConfig(store="s", target="t", out="o", sliding_window=2048)
+    with pytest.raises(TypeError):
+        ExtractConfig("m", ("a",), "s")  # keyword-only
+    with pytest.raises(ConfigError, match="has no field"):
+        TrainConfig.from_dict({**TrainConfig(store="s", target="t", out="o").to_dict(), "bogus": 1})
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_tiny_targets_load_offline_and_render_chat(arch, request):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = request.getfixturevalue(f"tiny_{arch}")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    ids = tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+    text = tok.decode(ids)
+    assert "2+2?" in text and text.count("4") == 1
+    assert model.config.vocab_size > len(tok)  # the DFlash mask token is the first unused row
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    # layers must be distinguishable, or a layer-offset bug in feature capture would go unseen
+    assert not torch.allclose(out.hidden_states[2], out.hidden_states[3], atol=1e-2)

@@ -1,0 +1,103 @@
+"""Shard claims: an exclusively created file naming host and pid, so one writer at a time fills a shard."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+
+from .fs import StoreFS
+from .layout import claim_path, dumps
+
+__all__ = ["Claim", "acquire", "release", "claim_is_live", "read_claim", "process_start_time"]
+
+log = logging.getLogger(__name__)
+
+HOST = socket.gethostname()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Return the start time (clock ticks since boot) of a local process, or None if unknown or not running."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        # The command name may contain spaces and parentheses: fields resume after the last ')'.
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Claim(dict):
+    """The content of a claim file: host, pid, process start time, a unique token, time."""
+
+
+def read_claim(fs: StoreFS, shard_id: int) -> Claim | None:
+    """Return the claim on a shard, or None if there is none (or it is unreadable, which counts as stale)."""
+    try:
+        return Claim(json.loads(fs.read_bytes(claim_path(shard_id))))
+    except FileNotFoundError:
+        return None
+    except (ValueError, OSError):
+        return Claim()
+
+
+def claim_is_live(claim: Claim | None) -> bool:
+    """Return True if the claim's process may still be writing: alive on this host, or on another host at all."""
+    if claim is None:
+        return False
+    if "pid" not in claim or "host" not in claim:
+        return False
+    if claim["host"] != HOST:
+        # We cannot see another machine's processes; only `dflash gc`-style cleanup by an operator removes it.
+        return True
+    if not _pid_alive(int(claim["pid"])):
+        return False
+    started = claim.get("start_time")
+    # A reused pid is a different process: its start time differs from the one recorded.
+    return started is None or process_start_time(int(claim["pid"])) == started
+
+
+def acquire(fs: StoreFS, shard_id: int) -> Claim | None:
+    """Return our new claim on the shard, taking over a stale one; None if a live process holds it."""
+    pid = os.getpid()
+    mine = Claim(host=HOST, pid=pid, start_time=process_start_time(pid), token=uuid.uuid4().hex, time=time.time())
+    path = claim_path(shard_id)
+    for _ in range(3):
+        if fs.create_exclusive(path, dumps(mine)):
+            return mine
+        current = read_claim(fs, shard_id)
+        if current is None:
+            continue  # released between our attempt and our look: try again
+        if claim_is_live(current):
+            return None
+        # Of several processes seeing the same stale claim, only the one that creates this lock removes it; it
+        # re-reads the claim under the lock so it never removes a claim another process has just made.
+        lock = f"{path}.takeover-{current.get('token')}.partial"
+        if fs.create_exclusive(lock, b""):
+            try:
+                again = read_claim(fs, shard_id)
+                if again is not None and again.get("token") == current.get("token"):
+                    log.info("taking over stale claim on shard %d (%s)", shard_id, dict(current))
+                    fs.rm(path)
+            finally:
+                fs.rm(lock)
+    return None
+
+
+def release(fs: StoreFS, shard_id: int, claim: Claim) -> None:
+    """Remove our claim file, unless someone else's claim has replaced it."""
+    current = read_claim(fs, shard_id)
+    if current is not None and current.get("token") == claim.get("token"):
+        fs.rm(claim_path(shard_id))

@@ -1,0 +1,133 @@
+"""Names and header rules of store format v1: where every file lives, what a header must hold, how two differ."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from ..errors import ManifestMismatch, StoreError
+from .codec import CODECS
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ROOT_META",
+    "COMPLETE",
+    "FEATURE_ARRAYS",
+    "shard_dir",
+    "commit_path",
+    "claim_path",
+    "parse_id",
+    "validate_header",
+    "header_diff",
+    "check_header",
+    "group_metadata",
+    "dumps",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+ROOT_META = "zarr.json"
+COMPLETE = "complete.json"
+SHARDS = "shards"
+COMMITS = "commits"
+CLAIMS = "claims"
+# Keys storage adds to the header itself; never part of a comparison the caller asked for.
+_OWN_KEYS = ("format_version",)
+FEATURE_ARRAYS = ("features", "feature_scales")
+
+
+def shard_dir(shard_id: int) -> str:
+    """Return the store-relative folder of a shard: zero-padded so listings sort."""
+    return f"{SHARDS}/{shard_id:05d}"
+
+
+def commit_path(shard_id: int) -> str:
+    """Return the store-relative path of a shard's commit record."""
+    return f"{COMMITS}/{shard_id:05d}.json"
+
+
+def claim_path(shard_id: int) -> str:
+    """Return the store-relative path of a shard's claim file."""
+    return f"{CLAIMS}/{shard_id:05d}.json"
+
+
+def parse_id(name: str, suffix: str = "") -> int | None:
+    """Return the shard id of a listed name ("00042.json" -> 42), or None for anything else (temp files)."""
+    if suffix:
+        if not name.endswith(suffix):
+            return None
+        name = name[: -len(suffix)]
+    return int(name) if name.isdigit() else None
+
+
+def dumps(obj: Any) -> bytes:
+    """Return canonical JSON bytes (sorted keys) so equal content hashes equally."""
+    return json.dumps(obj, sort_keys=True, indent=1, allow_nan=False).encode()
+
+
+def group_metadata(attributes: dict | None = None) -> dict:
+    """Return a zarr v3 group `zarr.json` document."""
+    return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
+
+
+def validate_header(header: dict, where: str) -> None:
+    """Raise StoreError unless the header holds the fields storage relies on, with usable values."""
+    if not isinstance(header, dict):
+        raise StoreError(f"{where}: the header must be a JSON object, found {type(header).__name__}")
+    try:
+        json.dumps(header, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise StoreError(f"{where}: the header must be plain JSON values ({e})") from None
+    problems = []
+    ids = header.get("layer_ids")
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        problems.append(f"layer_ids must be a non-empty list of ints, found {ids!r}")
+    hs = header.get("hidden_size")
+    if not (isinstance(hs, int) and not isinstance(hs, bool) and hs > 0):
+        problems.append(f"hidden_size must be a positive int, found {hs!r}")
+    if header.get("codec") not in CODECS:
+        problems.append(f"codec must be one of {', '.join(CODECS)}, found {header.get('codec')!r}")
+    plan = header.get("shard_plan")
+    n = plan.get("num_shards") if isinstance(plan, dict) else None
+    if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+        problems.append(f"shard_plan.num_shards must be a positive int, found {n!r}")
+    if problems:
+        raise StoreError(f"{where}: invalid store header: {'; '.join(problems)}")
+
+
+def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(obj, dict) and obj:
+        for k, v in obj.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    else:
+        out[prefix] = obj
+
+
+def header_diff(stored: dict, expected: dict) -> list[tuple[str, Any, Any]]:
+    """Return (dotted field, stored value, expected value) for every field that differs; missing reads as None."""
+    a: dict[str, Any] = {}
+    b: dict[str, Any] = {}
+    _flatten({k: v for k, v in stored.items() if k not in _OWN_KEYS}, "", a)
+    _flatten({k: v for k, v in expected.items() if k not in _OWN_KEYS}, "", b)
+    missing = object()
+    diffs = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key, missing), b.get(key, missing)
+        # JSON round trip makes tuples lists, so compare the JSON forms.
+        if json.dumps(va if va is not missing else None, sort_keys=True) != json.dumps(
+            vb if vb is not missing else None, sort_keys=True
+        ):
+            diffs.append((key, None if va is missing else va, None if vb is missing else vb))
+    return diffs
+
+
+def check_header(stored: dict, expected: dict, where: str) -> None:
+    """Raise ManifestMismatch naming every differing field with both values, in one line."""
+    diffs = header_diff(stored, expected)
+    if diffs:
+        parts = "; ".join(f"{k}: store has {json.dumps(s)}, asked for {json.dumps(e)}" for k, s, e in diffs)
+        raise ManifestMismatch(
+            f"{where} was written with different settings ({parts}); "
+            "rerun with the store's settings, or choose a new --out for the new ones"
+        )

@@ -1,0 +1,274 @@
+"""Store: open or create a feature store, claim and commit shards, read them, follow a store being written."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+
+from ..errors import CorruptShard, StoreError
+from . import claims
+from .fs import PARTIAL_SUFFIX, StoreFS, open_fs
+from .layout import (
+    CLAIMS,
+    COMMITS,
+    COMPLETE,
+    FORMAT_VERSION,
+    ROOT_META,
+    SHARDS,
+    check_header,
+    commit_path,
+    dumps,
+    group_metadata,
+    parse_id,
+    shard_dir,
+    validate_header,
+)
+from .reader import SMALL_ARRAYS, ShardData, invariant_problems, load_record, read_features, read_small
+from .writer import ShardWriter
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Store", "DEFAULT_CHUNK_TOKENS"]
+
+log = logging.getLogger(__name__)
+
+# Measured in bench/storage.py: 512-token chunks read and write within a few % of 1024 and decode in parallel well.
+DEFAULT_CHUNK_TOKENS = 512
+
+
+class Store:
+    """A dflash feature store (format v1): a zarr v3 group whose header is attrs["dflash"]; see DESIGN.md."""
+
+    def __init__(self, fs: StoreFS, header: dict) -> None:
+        self.fs = fs
+        self.url = fs.url
+        self.header = header
+        self.chunk_tokens = DEFAULT_CHUNK_TOKENS
+        self.write_threads = min(8, max(2, os.cpu_count() or 2))
+
+    # -- opening -------------------------------------------------------------------------------------------------
+    @classmethod
+    def create_or_open(cls, url: str, header: dict) -> "Store":
+        """Return the store at url, creating it with this header; ManifestMismatch if it exists with another."""
+        fs = open_fs(url)
+        validate_header(header, fs.display())
+        full = {**json.loads(json.dumps(header)), "format_version": FORMAT_VERSION}
+        if not fs.exists(ROOT_META):
+            fs.makedirs("")
+            for sub in (SHARDS, COMMITS, CLAIMS):
+                fs.makedirs(sub)
+            fs.write_atomic(f"{SHARDS}/zarr.json", dumps(group_metadata()))
+            # Exclusive create: of several processes creating one store at once, one header wins, the rest compare.
+            if fs.create_exclusive(ROOT_META, dumps(group_metadata({"dflash": full}))):
+                log.info("created store %s", fs.display())
+                return cls(fs, full)
+        return cls.open(url, expected=header)
+
+    @classmethod
+    def open(cls, url: str, expected: dict | None = None) -> "Store":
+        """Return the existing store at url; StoreError if missing or of an unknown version, ManifestMismatch if
+        `expected` differs from its header in any field."""
+        fs = open_fs(url)
+        try:
+            meta = json.loads(fs.read_bytes(ROOT_META))
+        except FileNotFoundError:
+            raise StoreError(
+                f"{fs.display()}: no dflash store here (expected {ROOT_META}); create one with `dflash extract --out`"
+            ) from None
+        except ValueError as e:
+            raise StoreError(f"{fs.display(ROOT_META)}: not valid JSON ({e}); the store is damaged") from None
+        header = meta.get("attributes", {}).get("dflash") if isinstance(meta, dict) else None
+        if not isinstance(header, dict):
+            raise StoreError(f"{fs.display(ROOT_META)}: a zarr group without a dflash header; not a dflash store")
+        version = header.get("format_version")
+        if version != FORMAT_VERSION:
+            raise StoreError(
+                f"{fs.display()}: store format version {version!r}, this dflash reads version {FORMAT_VERSION}; "
+                "use the dflash version that wrote it, or re-extract"
+            )
+        validate_header(header, fs.display(ROOT_META))
+        if expected is not None:
+            check_header(header, expected, fs.display())
+        return cls(fs, header)
+
+    @property
+    def num_shards(self) -> int:
+        """Return the number of shards the plan has."""
+        return int(self.header["shard_plan"]["num_shards"])
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    # -- listing -------------------------------------------------------------------------------------------------
+    def committed_ids(self) -> list[int]:
+        """Return the sorted ids of shards whose commit record exists."""
+        ids = (parse_id(n, ".json") for n in self.fs.listdir(COMMITS))
+        return sorted(i for i in ids if i is not None)
+
+    def commit_record(self, shard_id: int) -> dict:
+        """Return a committed shard's record (counts, bytes, checksums, writer, extra); CorruptShard if damaged."""
+        return load_record(self.fs, shard_id)
+
+    def _check_id(self, shard_id: int) -> None:
+        if not (isinstance(shard_id, (int, np.integer)) and 0 <= shard_id < self.num_shards):
+            raise StoreError(f"{self.fs.display()}: shard id {shard_id!r} is outside the plan 0..{self.num_shards - 1}")
+
+    # -- writing -------------------------------------------------------------------------------------------------
+    def try_claim(self, shard_id: int) -> ShardWriter | None:
+        """Return a writer for the shard, or None if it is committed or claimed by a live process."""
+        self._check_id(shard_id)
+        if self.fs.exists(commit_path(shard_id)):
+            return None
+        claim = claims.acquire(self.fs, shard_id)
+        if claim is None:
+            return None
+        # Checked again under the claim: a writer may have committed between our first look and our claim.
+        if self.fs.exists(commit_path(shard_id)):
+            claims.release(self.fs, shard_id, claim)
+            return None
+        self.fs.rmtree(shard_dir(shard_id))
+        return ShardWriter(self, int(shard_id), claim, self.chunk_tokens, self.write_threads)
+
+    def withdraw(self, shard_id: int) -> bool:
+        """Return True if a commit record was removed, so the shard counts as never written (and the store as not
+        complete) and the next extract redoes it."""
+        self._check_id(shard_id)
+        self.fs.rm(COMPLETE)
+        return self.fs.rm(commit_path(shard_id))
+
+    def mark_complete(self, extra: dict | None = None) -> dict:
+        """Return the completion record written once every planned shard is committed; StoreError otherwise."""
+        done = self.committed_ids()
+        missing = sorted(set(range(self.num_shards)) - set(done))
+        if missing:
+            more = "..." if len(missing) > 10 else ""
+            raise StoreError(
+                f"{self.fs.display()}: cannot mark complete: {len(missing)} of {self.num_shards} planned shards are "
+                f"not committed ({missing[:10]}{more}); rerun `dflash extract` to finish them"
+            )
+        record = {"format_version": FORMAT_VERSION, "num_shards": self.num_shards, "time": time.time(), "extra": extra or {}}
+        self.fs.write_atomic(COMPLETE, dumps(record))
+        return record
+
+    def is_complete(self) -> bool:
+        """Return True if the completion record exists and every planned shard is committed."""
+        return self.fs.exists(COMPLETE) and len(self.committed_ids()) >= self.num_shards
+
+    def gc(self) -> dict:
+        """Return counts of what was removed: uncommitted unclaimed shard folders, stale claims, `*.partial` files."""
+        removed = {"shards": 0, "claims": 0, "partial": 0}
+        committed = set(self.committed_ids())
+        for name in self.fs.listdir(CLAIMS):
+            if name.endswith(PARTIAL_SUFFIX):
+                removed["partial"] += self.fs.rm(f"{CLAIMS}/{name}")
+                continue
+            sid = parse_id(name, ".json")
+            if sid is not None and not claims.claim_is_live(claims.read_claim(self.fs, sid)):
+                removed["claims"] += self.fs.rm(f"{CLAIMS}/{name}")
+        for name in self.fs.listdir(SHARDS):
+            sid = parse_id(name)
+            if sid is None or sid in committed:
+                continue
+            if claims.claim_is_live(claims.read_claim(self.fs, sid)):
+                continue  # a writer is filling it right now
+            removed["shards"] += self.fs.rmtree(f"{SHARDS}/{name}")
+        for folder in ("", COMMITS, SHARDS):
+            for name in self.fs.listdir(folder):
+                if name.endswith(PARTIAL_SUFFIX):
+                    removed["partial"] += self.fs.rm(f"{folder}/{name}" if folder else name)
+        if any(removed.values()):
+            log.info("gc %s: removed %s", self.fs.display(), removed)
+        return removed
+
+    def follow(
+        self, *, poll: float = 0.5, max_poll: float = 5.0, include_existing: bool = True, timeout: float | None = None
+    ) -> Iterator[int]:
+        """Return an iterator over shard ids as they commit; it ends when the store is complete (see follow.py)."""
+        from .follow import follow_commits
+
+        return follow_commits(self, poll=poll, max_poll=max_poll, include_existing=include_existing, timeout=timeout)
+
+    # -- reading -------------------------------------------------------------------------------------------------
+    def read_shard(self, shard_id: int, *, verify: bool = True, out: "torch.Tensor | None" = None) -> ShardData:
+        """Return a whole committed shard; features land in `out` (e.g. pinned, at least T*L*H bf16) if given."""
+        record = load_record(self.fs, shard_id, verify)
+        small = {name: read_small(self.fs, shard_id, record, name, verify) for name in SMALL_ARRAYS}
+        problems = invariant_problems(record, self.header, small)
+        if problems:
+            raise CorruptShard(f"{self.fs.display(shard_dir(shard_id))}: {'; '.join(problems)}")
+        T = int(record["num_tokens"])
+        features = self._feature_tensor(T, out)
+        read_features(self.fs, shard_id, record, 0, T, _bits(features), verify)
+        return ShardData(small["input_ids"], small["loss_mask"], features, small["offsets"], small["sample_ids"])
+
+    def read_sample(self, shard_id: int, index: int) -> tuple[np.ndarray, np.ndarray, "torch.Tensor"]:
+        """Return (input_ids, loss_mask, features) of one sample, reading only the chunks it spans."""
+        record = load_record(self.fs, shard_id)
+        offsets = read_small(self.fs, shard_id, record, "offsets")
+        n = offsets.shape[0] - 1
+        if not 0 <= index < n:
+            raise StoreError(f"{self.fs.display(shard_dir(shard_id))}: sample index {index} outside 0..{n - 1}")
+        s, e = int(offsets[index]), int(offsets[index + 1])
+        ids = read_small(self.fs, shard_id, record, "input_ids")[s:e]
+        mask = read_small(self.fs, shard_id, record, "loss_mask")[s:e]
+        features = self._feature_tensor(e - s, None)
+        read_features(self.fs, shard_id, record, s, e, _bits(features))
+        return ids, mask, features
+
+    def _feature_tensor(self, T: int, out: "torch.Tensor | None") -> "torch.Tensor":
+        import torch
+
+        shape = (T, len(self.header["layer_ids"]), int(self.header["hidden_size"]))
+        n = shape[0] * shape[1] * shape[2]
+        if out is None:
+            return torch.empty(shape, dtype=torch.bfloat16)
+        if out.dtype != torch.bfloat16 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() < n:
+            raise StoreError(
+                f"read_shard out= must be a contiguous CPU bfloat16 tensor of at least {n} elements {list(shape)}, "
+                f"found {out.dtype} {out.device} {list(out.shape)}"
+            )
+        return out.view(-1)[:n].view(shape)
+
+    def verify(self, shard_id: int) -> list[str]:
+        """Return one line per problem of a committed shard (each naming the path); empty when it is sound."""
+        try:
+            record = load_record(self.fs, shard_id)
+        except CorruptShard as e:
+            return [str(e)]
+        problems = []
+        sdir = shard_dir(shard_id)
+        for rel, entry in record.get("files", {}).items():
+            path = f"{sdir}/{rel}"
+            try:
+                size = self.fs.size(path)
+            except FileNotFoundError:
+                problems.append(f"{self.fs.display(path)}: file is missing")
+                continue
+            if size != entry["bytes"]:
+                problems.append(f"{self.fs.display(path)}: expected {entry['bytes']} bytes, found {size}")
+        if problems:
+            return problems
+        try:
+            data = self.read_shard(shard_id, verify=True)
+        except CorruptShard as e:
+            return [str(e)]
+        import xxhash
+
+        for rel, entry in record["files"].items():
+            if rel.endswith("zarr.json"):
+                path = f"{sdir}/{rel}"
+                if xxhash.xxh3_64_hexdigest(self.fs.read_bytes(path)) != entry["xxh3"]:
+                    problems.append(f"{self.fs.display(path)}: checksum mismatch (expected xxh3 {entry['xxh3']})")
+        del data
+        return problems
+
+
+def _bits(features: "torch.Tensor") -> np.ndarray:
+    import torch
+
+    return features.view(torch.int16).numpy().view(np.uint16)

@@ -1,0 +1,251 @@
+"""ShardWriter: fills one claimed shard chunk by chunk, then commits it (every byte fsynced, the record last)."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import StoreError
+from . import claims
+from .codec import array_metadata, encode_chunk, feature_dtype, to_fp8
+from .layout import FORMAT_VERSION, commit_path, dumps, group_metadata, shard_dir
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = ["ShardWriter", "features_to_bits", "record_digest"]
+
+log = logging.getLogger(__name__)
+
+
+def features_to_bits(features: Any) -> np.ndarray:
+    """Return the bf16 bits of features as a C-contiguous uint16 numpy array (zero-copy for CPU bf16 tensors)."""
+    if isinstance(features, np.ndarray):
+        if features.dtype != np.uint16:
+            raise StoreError(f"features as numpy must be uint16 bf16 bits, found dtype {features.dtype}")
+        return np.ascontiguousarray(features)
+    import torch
+
+    if not isinstance(features, torch.Tensor) or features.dtype != torch.bfloat16:
+        raise StoreError(
+            f"features must be a torch.bfloat16 tensor or numpy uint16 bits, found {type(features).__name__} "
+            f"{getattr(features, 'dtype', '')}"
+        )
+    return features.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def record_digest(record: dict) -> str:
+    """Return the xxh3_64 hex digest of a commit record's content without its own digest field."""
+    import xxhash
+
+    body = {k: v for k, v in record.items() if k != "record_xxh3"}
+    return xxhash.xxh3_64_hexdigest(dumps(body))
+
+
+class ShardWriter:
+    """Context manager over one claimed shard: append samples, then commit(); leaving without commit releases the
+    claim and leaves the partial data as garbage (no reader sees a shard without its commit record)."""
+
+    def __init__(self, store: "Store", shard_id: int, claim: claims.Claim, chunk_tokens: int, threads: int) -> None:
+        self.store = store
+        self.shard_id = shard_id
+        self._fs = store.fs
+        self._claim = claim
+        self._dir = shard_dir(shard_id)
+        header = store.header
+        self.codec: str = header["codec"]
+        self.num_layers = len(header["layer_ids"])
+        self.hidden_size = int(header["hidden_size"])
+        self.chunk_tokens = int(chunk_tokens)
+        self._compressed = self.codec != "none"
+        self._fp8 = self.codec == "fp8"
+        self._dtype = feature_dtype(self.codec)
+        self._ids: list[np.ndarray] = []
+        self._masks: list[np.ndarray] = []
+        self._offsets: list[int] = [0]
+        self._sample_ids: list[int] = []
+        self._chunk_index = 0
+        self._fill = 0
+        self._new_buffers()
+        self._files: dict[str, dict] = {}
+        self._threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"dflash-shard{shard_id}")
+        self._pending: deque[Future] = deque()
+        self._state = "open"
+        for name in ("features", "feature_scales") if self._fp8 else ("features",):
+            self._fs.makedirs(f"{self._dir}/{name}")
+
+    # -- context manager -------------------------------------------------------------------------------------
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._state != "committed":
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop writing and release the claim; what was written stays uncommitted garbage for gc or a new claim."""
+        if self._state == "open":
+            self._state = "aborted"
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            claims.release(self._fs, self.shard_id, self._claim)
+
+    # -- appending -------------------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Return the tokens appended so far."""
+        return self._offsets[-1]
+
+    def _new_buffers(self) -> None:
+        shape = (self.chunk_tokens, self.num_layers, self.hidden_size)
+        self._chunk = np.empty(shape, self._dtype)
+        self._scales = np.empty(shape[:2], np.float32) if self._fp8 else None
+
+    def append(self, input_ids: Any, loss_mask: Any, features: Any, sample_id: int) -> None:
+        """Add one sample: token ids [t], loss mask [t], features bf16 [t, L, H] (tensor or uint16 bits)."""
+        if self._state != "open":
+            raise StoreError(f"{self._fs.display(self._dir)}: append after the shard was {self._state}")
+        ids = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids).reshape(-1)
+        mask = np.asarray(loss_mask.cpu() if hasattr(loss_mask, "cpu") else loss_mask).reshape(-1)
+        bits = features_to_bits(features)
+        t = ids.shape[0]
+        want = (t, self.num_layers, self.hidden_size)
+        if mask.shape[0] != t or tuple(bits.shape) != want:
+            raise StoreError(
+                f"{self._fs.display(self._dir)}: sample {sample_id}: expected input_ids [t], loss_mask [t], features "
+                f"{list(want)}; found {list(ids.shape)}, {list(mask.shape)}, {list(bits.shape)}"
+            )
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise StoreError(f"{self._fs.display(self._dir)}: sample {sample_id}: input_ids must be integers, found {ids.dtype}")
+        self._ids.append(ids.astype(np.int32, copy=True))
+        self._masks.append(mask.astype(np.bool_, copy=True))
+        self._offsets.append(self._offsets[-1] + t)
+        self._sample_ids.append(int(sample_id))
+        if self._fp8:
+            q, s = to_fp8(bits)
+        else:
+            q, s = bits, None
+        done = 0
+        while done < t:
+            n = min(t - done, self.chunk_tokens - self._fill)
+            self._chunk[self._fill : self._fill + n] = q[done : done + n]
+            if s is not None:
+                self._scales[self._fill : self._fill + n] = s[done : done + n]
+            self._fill += n
+            done += n
+            if self._fill == self.chunk_tokens:
+                self._flush_chunk()
+
+    def _flush_chunk(self) -> None:
+        # Zarr stores edge chunks whole, so the tail of the last chunk is zero padding.
+        if self._fill < self.chunk_tokens:
+            self._chunk[self._fill :] = 0
+            if self._scales is not None:
+                self._scales[self._fill :] = 0
+        i = self._chunk_index
+        self._submit(f"features/c.{i}.0.0", self._chunk)
+        if self._scales is not None:
+            self._submit(f"feature_scales/c.{i}.0", self._scales)
+        self._chunk_index += 1
+        self._fill = 0
+        self._new_buffers()  # the pool task owns the old buffers now
+        # Bound the memory held by queued chunks: wait for the oldest once the queue is deep.
+        while len(self._pending) > 2 * self._threads:
+            self._pending.popleft().result()
+
+    def _submit(self, rel: str, arr: np.ndarray) -> None:
+        self._pending.append(self._pool.submit(self._write_chunk, rel, arr))
+
+    def _write_chunk(self, rel: str, arr: np.ndarray) -> None:
+        import xxhash
+
+        data = encode_chunk(arr, self._compressed)
+        self._fs.write_file(f"{self._dir}/{rel}", data)
+        # dict item assignment is atomic under the GIL; each key is written by one task.
+        self._files[rel] = {"xxh3": xxhash.xxh3_64_hexdigest(data), "bytes": len(memoryview(data).cast("B"))}
+
+    # -- committing ------------------------------------------------------------------------------------------
+    def commit(self, extra: dict | None = None) -> dict:
+        """Return the commit record after fsyncing every chunk, array document and folder, then the record."""
+        if self._state != "open":
+            raise StoreError(f"{self._fs.display(self._dir)}: commit after the shard was {self._state}")
+        try:
+            record = self._commit(extra or {})
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "committed"
+        claims.release(self._fs, self.shard_id, self._claim)
+        return record
+
+    def _commit(self, extra: dict) -> dict:
+        if self._fill:
+            self._flush_chunk()
+        T = self.num_tokens
+        ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int32)
+        mask = np.concatenate(self._masks) if self._masks else np.zeros(0, np.bool_)
+        small = {
+            "input_ids": ids,
+            "loss_mask": mask,
+            "offsets": np.asarray(self._offsets, np.int64),
+            "sample_ids": np.asarray(self._sample_ids, np.int64),
+        }
+        for name, arr in small.items():
+            self._fs.makedirs(f"{self._dir}/{name}")
+            if arr.size:
+                self._submit(f"{name}/c.0", arr)
+        while self._pending:
+            self._pending.popleft().result()
+        self._pool.shutdown(wait=True)
+        L, H, C = self.num_layers, self.hidden_size, self.chunk_tokens
+        arrays: dict[str, dict] = {
+            name: {"shape": [int(a.size)], "chunk_shape": [max(1, int(a.size))], "dtype": a.dtype.name}
+            for name, a in small.items()
+        }
+        arrays["features"] = {"shape": [T, L, H], "chunk_shape": [C, L, H], "dtype": self._dtype.name}
+        if self._fp8:
+            arrays["feature_scales"] = {"shape": [T, L], "chunk_shape": [C, L], "dtype": "float32"}
+        feature_attrs = {"logical_dtype": "bfloat16", "encoding": "bf16_bits"}
+        if self._fp8:
+            feature_attrs = {"logical_dtype": "bfloat16", "encoding": "fp8_e4m3_scaled", "scales": "feature_scales"}
+        import xxhash
+
+        for name, spec in arrays.items():
+            doc = dumps(
+                array_metadata(
+                    spec["shape"], spec["chunk_shape"], np.dtype(spec["dtype"]), self._compressed,
+                    feature_attrs if name == "features" else None,
+                )
+            )
+            self._fs.write_atomic(f"{self._dir}/{name}/zarr.json", doc)
+            self._files[f"{name}/zarr.json"] = {"xxh3": xxhash.xxh3_64_hexdigest(doc), "bytes": len(doc)}
+            self._fs.fsync_dir(f"{self._dir}/{name}")
+        group = dumps(group_metadata({"shard_id": self.shard_id}))
+        self._fs.write_atomic(f"{self._dir}/zarr.json", group)
+        self._fs.fsync_dir(self._dir)
+        self._fs.fsync_dir("shards")
+        record = {
+            "format_version": FORMAT_VERSION,
+            "shard_id": self.shard_id,
+            "codec": self.codec,
+            "num_samples": len(self._sample_ids),
+            "num_tokens": T,
+            "num_loss_tokens": int(mask.sum()),
+            "bytes": sum(f["bytes"] for f in self._files.values()),
+            "raw_feature_bytes": T * L * H * 2,
+            "chunk_tokens": C,
+            "arrays": arrays,
+            "files": dict(sorted(self._files.items())),
+            "writer": {"host": claims.HOST, "pid": os.getpid()},
+            "time": time.time(),
+            "extra": extra,
+        }
+        record["record_xxh3"] = record_digest(record)
+        self._fs.write_atomic(commit_path(self.shard_id), dumps(record))
+        log.debug("committed shard %d: %d samples, %d tokens", self.shard_id, record["num_samples"], T)
+        return record

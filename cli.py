@@ -226,9 +226,23 @@ def verify(store: str, repair: bool) -> int:
 
 @cli.command()
 @config_option
+@click.option("--model", required=True, help="Target model: a Hugging Face folder.")
+@click.option("--prompts", required=True, help="Prompts: JSONL ({prompt} or {messages} ending on the user) or text lines.")
+@click.option("--out", required=True, help="Output JSONL of conversations (appended; rerun to resume).")
+@click.option("--max-new-tokens", default=256, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--batch-size", default=16, show_default=True, type=int)
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
+@click.option("--backend", default="transformers", show_default=True, type=click.Choice(["transformers", "vllm"]))
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of sampling (temperature > 0).")
 def generate(**opts: Any) -> None:
     """Answer prompts with the target model, writing conversations ready for `dflash extract`."""
-    _not_built("generate", "it arrives with the demo issue")
+    from .config import GenerateConfig
+
+    cfg = GenerateConfig(**opts)
+    from .extract import generate as stage
+
+    stage.run(cfg)
 
 
 @cli.command()

@@ -1,0 +1,360 @@
+"""`dflash generate`: answer prompts with the target through its chat template, appending resumable JSONL records.
+
+DFlash drafters learn the target's own continuations, so the recipe regenerates the answers of a prompt set with
+the target before extraction. Each output line is `{"messages": [... , {"role": "assistant", ...}], "source_row":
+i, ...}`, ready for `dflash extract --data`. Records are appended and fsynced batch by batch; a rerun reads what is
+there, drops a torn last line left by a kill, and answers only the rows that have no record yet.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from ..config import GenerateConfig
+
+__all__ = ["Prompt", "GenerateResult", "read_prompts", "read_done", "run"]
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+_JSON_SUFFIXES = (".jsonl", ".json")
+# The options that decide what an answer is; a rerun into the same --out must keep them.
+_IDENTITY_FIELDS = ("model", "max_new_tokens", "temperature", "seed")
+_LOG_EVERY_S = 30.0
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its row among the file's non-blank lines, its 1-based line number, and the conversation."""
+
+    row: int
+    line: int
+    messages: list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """What a `generate` run did: rows in the file, rows answered now and before, tokens produced, seconds spent."""
+
+    prompts: int
+    answered: int
+    skipped: int
+    new_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Return the generated tokens per second of this run (0 when nothing ran)."""
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _bad(path: Path, line: int, expected: str, found: str) -> InputError:
+    return InputError(
+        f"--prompts {path} line {line}: expected {expected}, found {found}; fix or remove that line and rerun"
+    )
+
+
+def _conversation(path: Path, line: int, rec: Any) -> list[dict[str, str]]:
+    """Return the messages of one JSON prompt record, or raise InputError naming the line."""
+    if isinstance(rec, str):
+        rec = {"prompt": rec}
+    if not isinstance(rec, dict):
+        raise _bad(path, line, 'an object {"prompt": ...} or {"messages": [...]}', f"a JSON {type(rec).__name__}")
+    if "messages" in rec:
+        turns = rec["messages"]
+        if not isinstance(turns, list) or not turns:
+            raise _bad(path, line, "messages to be a non-empty list", repr(turns)[:60])
+        out = []
+        for k, turn in enumerate(turns):
+            if not isinstance(turn, dict) or turn.get("role") not in ROLES:
+                role = turn.get("role") if isinstance(turn, dict) else type(turn).__name__
+                raise _bad(path, line, f"turn {k} to have a role among {', '.join(ROLES)}", repr(role))
+            content = turn.get("content")
+            if not isinstance(content, str) or not content.strip():
+                raise _bad(path, line, f"turn {k} to have non-empty string content", repr(content)[:60])
+            out.append({"role": turn["role"], "content": content})
+        if out[-1]["role"] != "user":
+            raise _bad(path, line, "the last turn to be the user's (the target answers it)", f"a {out[-1]['role']} turn")
+        return out
+    if "prompt" in rec:
+        text = rec["prompt"]
+        if not isinstance(text, str) or not text.strip():
+            raise _bad(path, line, "prompt to be a non-empty string", repr(text)[:60])
+        return [{"role": "user", "content": text}]
+    keys = ", ".join(sorted(map(str, rec))[:6])
+    raise _bad(path, line, 'a "prompt" or "messages" key', f"keys [{keys}]")
+
+
+def read_prompts(path: str | os.PathLike) -> list[Prompt]:
+    """Return the prompts of a file: JSONL ({"prompt"} / {"messages"} / a JSON string) or plain text, one per line.
+
+    Blank lines are not rows (as in `dflash extract`), so row i is the i-th non-blank line.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"--prompts {path}: no such file; pass a .jsonl or .txt file of prompts") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--prompts {path}: expected a readable UTF-8 text file, found {e}") from None
+    as_json = path.suffix.lower() in _JSON_SUFFIXES
+    prompts: list[Prompt] = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        if as_json:
+            try:
+                rec = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise _bad(path, lineno, "one JSON object", f"invalid JSON ({e.msg} at column {e.colno})") from None
+            messages = _conversation(path, lineno, rec)
+        else:
+            messages = [{"role": "user", "content": raw.strip()}]
+        prompts.append(Prompt(row=len(prompts), line=lineno, messages=messages))
+    if not prompts:
+        raise InputError(f"--prompts {path}: expected at least one prompt, found an empty file")
+    return prompts
+
+
+def read_done(out: Path, prompts: list[Prompt]) -> set[int]:
+    """Return the source rows already answered in `out`, after cutting off a torn last line left by a kill.
+
+    Every record is written with its trailing newline, so a last line without one was interrupted mid-write; it is
+    dropped even when it happens to parse. A bad line before the last one is real damage and is reported.
+    """
+    if not out.exists():
+        return set()
+    data = out.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        log.warning("%s: dropping a torn last line of %d bytes (an interrupted write)", out, len(data) - end)
+        with open(out, "r+b") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    done: set[int] = set()
+    for lineno, raw in enumerate(data[:end].splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+            row = rec["source_row"]
+            messages = rec["messages"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise InputError(
+                f"--out {out} line {lineno}: expected a record written by `dflash generate`, found {raw[:60]!r}; "
+                "move the file away or pass a new --out"
+            ) from None
+        if not isinstance(row, int) or not 0 <= row < len(prompts) or messages[:-1] != prompts[row].messages:
+            raise InputError(
+                f"--out {out} line {lineno}: source_row {row!r} does not answer that row of the prompts file "
+                "(the prompts changed since it was written); pass a new --out or the original --prompts"
+            )
+        done.add(row)
+    return done
+
+
+def _check_identity(cfg: "GenerateConfig", out: Path) -> None:
+    """Save the config beside `out`, or refuse to resume into it with options that change the answers."""
+    from ..config import GenerateConfig
+
+    saved_path = out.with_name(out.name + ".config.json")
+    if saved_path.exists():
+        saved = GenerateConfig.load(saved_path)
+        for name in _IDENTITY_FIELDS:
+            old, new = getattr(saved, name), getattr(cfg, name)
+            if name == "model":
+                old, new = os.path.abspath(old), os.path.abspath(new)
+            if old != new:
+                raise ConfigError(
+                    f"--out {out} was generated with --{name.replace('_', '-')} {old} but this run has {new}; "
+                    f"rerun with --{name.replace('_', '-')} {old} or pass a new --out"
+                )
+    else:
+        cfg.save(saved_path)
+
+
+class _Progress:
+    """A tqdm bar on a terminal; plain log lines every 30 s otherwise. Both show prompts done and tokens/s."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.tokens = total, 0, 0
+        self.start = self.last_log = time.perf_counter()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="prompt", desc="generate", dynamic_ncols=True)
+
+    def update(self, prompts: int, tokens: int) -> None:
+        self.done += prompts
+        self.tokens += tokens
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.start, 1e-9)
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+            self.bar.update(prompts)
+        elif now - self.last_log >= _LOG_EVERY_S or self.done == self.total:
+            self.last_log = now
+            log.info("generate: %d/%d prompts, %d tokens, %.1f tok/s", self.done, self.total, self.tokens, rate)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _append(out: Path, records: list[dict[str, Any]]) -> None:
+    """Append records as JSON lines and fsync, so a batch is either on disk whole or ends in a torn last line."""
+    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+    with open(out, "ab") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run(cfg: "GenerateConfig") -> GenerateResult:
+    """Return what was done after answering every prompt of `cfg.prompts` that `cfg.out` does not answer yet."""
+    out = Path(cfg.out)
+    prompts = read_prompts(cfg.prompts)
+    if not Path(cfg.model).is_dir():
+        raise InputError(f"--model {cfg.model}: expected a Hugging Face model folder, found none")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _check_identity(cfg, out)
+    done = read_done(out, prompts)
+    pending = [p for p in prompts if p.row not in done]
+    log.info("generate: %d prompts in %s, %d already answered in %s", len(prompts), cfg.prompts, len(done), out)
+    if not pending:
+        return GenerateResult(len(prompts), 0, len(done), 0, 0.0)
+    if cfg.backend == "vllm":
+        answer = _vllm_backend(cfg)
+    else:
+        answer = _transformers_backend(cfg)
+    progress = _Progress(len(pending))
+    start = time.perf_counter()
+    new_tokens = 0
+    try:
+        for records in answer(pending):
+            _append(out, records)
+            n = sum(r["completion_tokens"] for r in records)
+            new_tokens += n
+            progress.update(len(records), n)
+    finally:
+        progress.close()
+    seconds = time.perf_counter() - start
+    result = GenerateResult(len(prompts), len(pending), len(done), new_tokens, seconds)
+    log.info(
+        "generate: answered %d prompts (%d tokens, %.1f tok/s) into %s",
+        result.answered, new_tokens, result.tokens_per_s, out,
+    )
+    return result
+
+
+def _record(prompt: Prompt, text: str, n_tokens: int, finished: bool) -> dict[str, Any]:
+    return {
+        "messages": prompt.messages + [{"role": "assistant", "content": text}],
+        "source_row": prompt.row,
+        "completion_tokens": n_tokens,
+        "finish_reason": "stop" if finished else "length",
+    }
+
+
+def _transformers_backend(cfg: "GenerateConfig"):
+    """Return a function that yields one list of records per batch of prompts, using transformers' generate."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: expected a CUDA device, found none; rerun with --device cpu")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    if not tokenizer.chat_template:
+        raise InputError(f"--model {cfg.model}: expected a tokenizer with a chat template, found none")
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype="auto").to(cfg.device).eval()
+    # Left padding keeps every prompt's last token at the same column, where generation continues.
+    tokenizer.padding_side = "left"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = {tokenizer.eos_token_id}
+    gen_eos = model.generation_config.eos_token_id
+    eos_ids |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
+    eos_ids.discard(None)
+    if not eos_ids:
+        raise InputError(f"--model {cfg.model}: expected an eos token in the tokenizer or generation config, found none")
+    sample = cfg.temperature > 0
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=cfg.max_new_tokens,
+        do_sample=sample,
+        eos_token_id=sorted(eos_ids),
+        pad_token_id=pad_id,
+    )
+    # Plain temperature sampling: switch off the top-k/top-p filters a generation_config may carry.
+    if sample:
+        kwargs.update(temperature=cfg.temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+
+    def answer(pending: list[Prompt]):
+        texts = [tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True) for p in pending]
+        # The template already holds any BOS token; the tokenizer must not add a second one.
+        lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        # Similar lengths share a batch, so little compute goes to padding.
+        order = sorted(range(len(pending)), key=lambda i: (lengths[i], pending[i].row))
+        for b in range(0, len(order), cfg.batch_size):
+            idx = order[b : b + cfg.batch_size]
+            enc = tokenizer([texts[i] for i in idx], add_special_tokens=False, padding=True, return_tensors="pt")
+            enc = {k: v.to(cfg.device) for k, v in enc.items()}
+            if sample:
+                # Seeded per batch by its first row, so a rerun of the same batch draws the same tokens.
+                torch.manual_seed(cfg.seed * 1_000_003 + pending[idx[0]].row)
+            with torch.inference_mode():
+                seqs = model.generate(**enc, **kwargs)
+            new = seqs[:, enc["input_ids"].shape[1] :].tolist()
+            records = []
+            for i, ids in zip(idx, new):
+                stop = next((k for k, t in enumerate(ids) if t in eos_ids), None)
+                kept = ids if stop is None else ids[:stop]
+                text = tokenizer.decode(kept, skip_special_tokens=True)
+                records.append(_record(pending[i], text, len(kept), stop is not None))
+            records.sort(key=lambda r: r["source_row"])
+            yield records
+
+    return answer
+
+
+def _vllm_backend(cfg: "GenerateConfig"):
+    """Return a function that yields records in batches, using vLLM; ConfigError when vLLM is not installed."""
+    try:
+        import vllm
+    except ImportError:
+        raise ConfigError(
+            "--backend vllm: expected the vllm package, found it missing; run `pip install vllm` "
+            "or use --backend transformers"
+        ) from None
+    if cfg.device != "cuda":
+        raise ConfigError("--backend vllm runs on GPUs only; pass --device cuda or use --backend transformers")
+    llm = vllm.LLM(model=cfg.model, seed=cfg.seed, dtype="auto")
+    tokenizer = llm.get_tokenizer()
+    params = vllm.SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
+
+    def answer(pending: list[Prompt]):
+        # vLLM schedules its own batches; we hand it chunks only so records reach disk (and resume) as it goes.
+        chunk = max(cfg.batch_size, 256)
+        for b in range(0, len(pending), chunk):
+            part = pending[b : b + chunk]
+            texts = [tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True) for p in part]
+            ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+            outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+            records = []
+            for p, o in zip(part, outs):
+                c = o.outputs[0]
+                records.append(_record(p, c.text, len(c.token_ids), c.finish_reason == "stop"))
+            yield records
+
+    return answer

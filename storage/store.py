@@ -44,16 +44,17 @@ DEFAULT_CHUNK_TOKENS = 512
 class Store:
     """A dflash feature store (format v1): a zarr v3 group whose header is attrs["dflash"]; see DESIGN.md."""
 
-    def __init__(self, fs: StoreFS, header: dict) -> None:
+    def __init__(self, fs: StoreFS, header: dict, chunk_tokens: int | None = None) -> None:
         self.fs = fs
         self.url = fs.url
         self.header = header
-        self.chunk_tokens = DEFAULT_CHUNK_TOKENS
+        # Chunking is a property of each shard (its record says it), so writers may choose it freely.
+        self.chunk_tokens = int(chunk_tokens or DEFAULT_CHUNK_TOKENS)
         self.write_threads = min(8, max(2, os.cpu_count() or 2))
 
     # -- opening -------------------------------------------------------------------------------------------------
     @classmethod
-    def create_or_open(cls, url: str, header: dict) -> "Store":
+    def create_or_open(cls, url: str, header: dict, *, chunk_tokens: int | None = None) -> "Store":
         """Return the store at url, creating it with this header; ManifestMismatch if it exists with another."""
         fs = open_fs(url)
         validate_header(header, fs.display())
@@ -66,11 +67,11 @@ class Store:
             # Exclusive create: of several processes creating one store at once, one header wins, the rest compare.
             if fs.create_exclusive(ROOT_META, dumps(group_metadata({"dflash": full}))):
                 log.info("created store %s", fs.display())
-                return cls(fs, full)
-        return cls.open(url, expected=header)
+                return cls(fs, full, chunk_tokens)
+        return cls.open(url, expected=header, chunk_tokens=chunk_tokens)
 
     @classmethod
-    def open(cls, url: str, expected: dict | None = None) -> "Store":
+    def open(cls, url: str, expected: dict | None = None, *, chunk_tokens: int | None = None) -> "Store":
         """Return the existing store at url; StoreError if missing or of an unknown version, ManifestMismatch if
         `expected` differs from its header in any field."""
         fs = open_fs(url)
@@ -94,7 +95,7 @@ class Store:
         validate_header(header, fs.display(ROOT_META))
         if expected is not None:
             check_header(header, expected, fs.display())
-        return cls(fs, header)
+        return cls(fs, header, chunk_tokens)
 
     @property
     def num_shards(self) -> int:

@@ -1,0 +1,268 @@
+"""Store round trips on real zarr stores: bit-exact bf16, codecs, zarr compatibility, headers, claims, follow, gc."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash.errors import ManifestMismatch, StoreError
+from dflash.storage import Store
+from dflash.storage.synthetic import synthetic_sample, write_synthetic_shard
+
+L, H = 3, 32
+
+
+def header(codec: str = "blosc", num_shards: int = 4, **extra) -> dict:
+    return {"layer_ids": [1, 4, 7][:L], "hidden_size": H, "codec": codec, "shard_plan": {"num_shards": num_shards},
+            "target": {"path": "tiny", "config_hash": "abc"}, **extra}
+
+
+def bits_of(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+# Every special bf16 pattern: +-0, +-inf, quiet and signalling NaNs with payloads, smallest/largest subnormals.
+SPECIALS = np.array([0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0x0001, 0x807F, 0x007F, 0x7F7F],
+                    np.uint16)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 45), min_size=1, max_size=6),
+    seed=st.integers(0, 2**31),
+    codec=st.sampled_from(["blosc", "none"]),
+    as_tensor=st.booleans(),
+)
+def test_bf16_round_trip_is_bit_exact(lengths, seed, codec, as_tensor):
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        # 16-token chunks so samples straddle chunk boundaries and the last chunk is padded.
+        store = Store.create_or_open(tmp, header(codec), chunk_tokens=16)
+        written = []
+        with store.try_claim(2) as w:
+            for i, t in enumerate(lengths):
+                bits = rng.integers(0, 1 << 16, size=(t, L, H), dtype=np.uint16)
+                bits.reshape(-1)[: len(SPECIALS)] = SPECIALS[: bits.size]
+                ids = rng.integers(0, 1 << 31, size=t)
+                mask = rng.random(t) < 0.5
+                feats = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16) if as_tensor else bits
+                w.append(torch.from_numpy(ids) if as_tensor else ids, mask, feats, sample_id=100 + i)
+                written.append((ids, mask, bits.copy()))
+            rec = w.commit()
+        assert rec["num_tokens"] == sum(lengths) and rec["num_samples"] == len(lengths)
+        data = Store.open(tmp).read_shard(2)
+        assert data.features.dtype == torch.bfloat16 and data.input_ids.dtype == np.int32
+        assert list(data.sample_ids) == [100 + i for i in range(len(lengths))]
+        for i, (ids, mask, bits) in enumerate(written):
+            got_ids, got_mask, got_feats = data.sample(i)
+            np.testing.assert_array_equal(got_ids, ids)
+            np.testing.assert_array_equal(got_mask, mask)
+            np.testing.assert_array_equal(bits_of(got_feats), bits)
+            one = store.read_sample(2, i)
+            np.testing.assert_array_equal(bits_of(one[2]), bits)
+            np.testing.assert_array_equal(one[0], ids)
+
+
+@pytest.mark.parametrize("codec", ["blosc", "none", "fp8"])
+def test_zarr_reads_what_we_wrote(tmp_path, codec):
+    import zarr
+
+    store = Store.create_or_open(str(tmp_path), header(codec), chunk_tokens=64)
+    write_synthetic_shard(store, 1, num_samples=5)
+    ours = store.read_shard(1)
+    group = zarr.open_group(str(tmp_path), mode="r")
+    assert group.attrs["dflash"]["format_version"] == 1
+    shard = group["shards/00001"]
+    np.testing.assert_array_equal(shard["input_ids"][:], ours.input_ids)
+    np.testing.assert_array_equal(shard["loss_mask"][:], ours.loss_mask)
+    np.testing.assert_array_equal(shard["offsets"][:], ours.offsets)
+    np.testing.assert_array_equal(shard["sample_ids"][:], ours.sample_ids)
+    assert shard["features"].attrs["logical_dtype"] == "bfloat16"
+    if codec == "fp8":
+        q = torch.from_numpy(shard["features"][:]).view(torch.float8_e4m3fn).float()
+        decoded = (q * torch.from_numpy(shard["feature_scales"][:]).unsqueeze(-1)).bfloat16()
+        assert torch.equal(decoded.view(torch.int16), ours.features.view(torch.int16))
+    else:
+        np.testing.assert_array_equal(shard["features"][:], bits_of(ours.features))
+
+
+def test_codecs_sizes_and_fp8_error(tmp_path):
+    sizes = {}
+    for codec in ("none", "blosc", "fp8"):
+        store = Store.create_or_open(str(tmp_path / codec), header(codec))
+        sizes[codec] = write_synthetic_shard(store, 0, num_samples=8)["bytes"]
+        data = store.read_shard(0)
+        for i in range(data.num_samples):
+            ids, mask, bits = synthetic_sample(0, i, L, H)
+            ref = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
+            got = data.sample(i)[2].float()
+            if codec == "fp8":
+                rel = ((got - ref).norm() / ref.norm()).item()
+                assert 0 < rel < 0.05, rel  # lossy, but within e4m3's 3 mantissa bits
+            else:
+                assert torch.equal(got, ref)
+    assert sizes["fp8"] < sizes["blosc"] < sizes["none"], sizes
+
+
+def test_read_into_callers_buffer(tmp_path):
+    store = Store.create_or_open(str(tmp_path), header())
+    rec = write_synthetic_shard(store, 0, num_samples=4)
+    buf = torch.empty(rec["num_tokens"] * L * H + 1000, dtype=torch.bfloat16)
+    data = store.read_shard(0, out=buf)
+    assert data.features.data_ptr() == buf.data_ptr()
+    assert torch.equal(data.features.view(torch.int16), store.read_shard(0).features.view(torch.int16))
+    with pytest.raises(StoreError, match="at least"):
+        store.read_shard(0, out=torch.empty(10, dtype=torch.bfloat16))
+
+
+def test_empty_shard_commits(tmp_path):
+    store = Store.create_or_open(str(tmp_path), header())
+    with store.try_claim(3) as w:
+        rec = w.commit({"note": "every row filtered"})
+    assert rec["num_samples"] == 0 and rec["extra"] == {"note": "every row filtered"}
+    data = store.read_shard(3)
+    assert data.num_samples == 0 and tuple(data.features.shape) == (0, L, H) and list(data.offsets) == [0]
+    assert store.verify(3) == []
+
+
+def test_header_mismatch_names_every_field(tmp_path):
+    Store.create_or_open(str(tmp_path), header())
+    other = header(hidden_size=64) | {"layer_ids": [2, 5, 8], "target": {"path": "tiny", "config_hash": "zzz"}}
+    with pytest.raises(ManifestMismatch) as e:
+        Store.create_or_open(str(tmp_path), other)
+    msg = str(e.value)
+    assert "\n" not in msg and str(tmp_path) in msg
+    for part in ("hidden_size: store has 32, asked for 64", "layer_ids: store has [1, 4, 7], asked for [2, 5, 8]",
+                 'target.config_hash: store has "abc", asked for "zzz"'):
+        assert part in msg
+    assert "codec" not in msg
+    with pytest.raises(ManifestMismatch, match="codec"):
+        Store.open(str(tmp_path), expected=header("fp8"))
+    assert Store.create_or_open(str(tmp_path), header()).header["format_version"] == 1
+
+
+def test_open_refuses_missing_unknown_version_and_bad_header(tmp_path):
+    with pytest.raises(StoreError, match="no dflash store"):
+        Store.open(str(tmp_path / "nope"))
+    Store.create_or_open(str(tmp_path), header())
+    meta = json.loads((tmp_path / "zarr.json").read_text())
+    meta["attributes"]["dflash"]["format_version"] = 2
+    (tmp_path / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreError, match="format version 2"):
+        Store.open(str(tmp_path))
+    with pytest.raises(StoreError, match="hidden_size must be a positive int"):
+        Store.create_or_open(str(tmp_path / "x"), header(hidden_size=0))
+
+
+def test_claims_commits_withdraw_and_gc(tmp_path):
+    store = Store.create_or_open(str(tmp_path), header(num_shards=3))
+    w = store.try_claim(0)
+    assert w is not None and store.try_claim(0) is None  # held by a live process (us)
+    w.append(*synthetic_sample(0, 0, L, H), sample_id=0)
+    w.abort()  # released without commit: the data is garbage no reader sees
+    assert store.committed_ids() == [] and (tmp_path / "shards/00000/features").exists()
+    (tmp_path / "commits" / "00009.json.1234.partial").write_text("{")
+    assert store.gc() == {"shards": 1, "claims": 0, "partial": 1}
+    assert not (tmp_path / "shards/00000").exists()
+    for i in range(3):
+        write_synthetic_shard(store, i, num_samples=2)
+    assert store.committed_ids() == [0, 1, 2] and store.try_claim(1) is None
+    assert not store.is_complete()
+    store.mark_complete({"by": "test"})
+    assert store.is_complete()
+    assert store.withdraw(1) and store.committed_ids() == [0, 2] and not store.is_complete()
+    with pytest.raises(StoreError, match=r"not committed \(\[1\]\)"):
+        store.mark_complete()
+    with pytest.raises(StoreError, match="outside the plan"):
+        store.try_claim(3)
+
+
+def test_claim_by_other_live_process_refused_dead_one_taken_over(tmp_path):
+    store = Store.create_or_open(str(tmp_path), header())
+    code = (
+        "import sys, os; from dflash.storage import Store\n"
+        f"w = Store.open({str(tmp_path)!r}).try_claim(1)\n"
+        "print('claimed' if w else 'refused', flush=True)\n"
+        "sys.stdin.readline(); os._exit(0)  # exit without releasing, like a crash\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "claimed"
+    assert store.try_claim(1) is None  # the other process is alive
+    mine = store.try_claim(2)
+    out = subprocess.run([sys.executable, "-c", code.replace("try_claim(1)", "try_claim(2)")], input="\n",
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "refused"
+    mine.abort()
+    p.communicate("\n")
+    taken = store.try_claim(1)  # the claimant died: its claim is stale
+    assert taken is not None
+    taken.commit()
+    assert store.committed_ids() == [1]
+
+
+def test_fsspec_memory_store_round_trip():
+    url = f"memory://dflash-test-{uuid.uuid4().hex}/store"
+    store = Store.create_or_open(url, header("blosc", num_shards=2), chunk_tokens=32)
+    w = store.try_claim(0)
+    assert w is not None and store.try_claim(0) is None  # exclusive create works there too
+    w.abort()
+    recs = [write_synthetic_shard(store, i, num_samples=3) for i in (0, 1)]
+    store.mark_complete()
+    again = Store.open(url, expected=header("blosc", num_shards=2))
+    assert again.committed_ids() == [0, 1] and again.is_complete()
+    assert list(again.follow(poll=0.01)) == [0, 1]
+    for i, rec in zip((0, 1), recs):
+        data = again.read_shard(i)
+        assert data.num_tokens == rec["num_tokens"]
+        np.testing.assert_array_equal(bits_of(data.sample(2)[2]), synthetic_sample(i, 2, L, H)[2])
+        assert again.verify(i) == []
+
+
+def test_follow_yields_each_commit_once_then_ends(tmp_path):
+    store = Store.create_or_open(str(tmp_path), header(num_shards=4))
+    write_synthetic_shard(store, 2, num_samples=1)
+    seen: list[int] = []
+    late: list[int] = []
+    follower = threading.Thread(target=lambda: seen.extend(store.follow(poll=0.01, max_poll=0.05, timeout=60)))
+    late_follower = threading.Thread(
+        target=lambda: late.extend(store.follow(poll=0.01, max_poll=0.05, include_existing=False, timeout=60))
+    )
+    follower.start()
+    late_follower.start()
+    for i in (0, 3, 1):
+        write_synthetic_shard(store, i, num_samples=2)
+    store.mark_complete()
+    follower.join(30)
+    late_follower.join(30)
+    assert sorted(seen) == [0, 1, 2, 3] and len(seen) == 4
+    assert sorted(late) == [0, 1, 3]
+
+
+def test_follow_times_out_when_writers_stall(tmp_path):
+    store = Store.create_or_open(str(tmp_path), header(num_shards=2))
+    write_synthetic_shard(store, 0, num_samples=1)
+    it = store.follow(poll=0.01, max_poll=0.02, timeout=0.2)
+    assert next(it) == 0
+    with pytest.raises(StoreError, match="no shard committed"):
+        next(it)
+
+
+def test_chunk_size_is_per_shard(tmp_path):
+    a = Store.create_or_open(str(tmp_path), header(), chunk_tokens=32)
+    write_synthetic_shard(a, 0, num_samples=3)
+    b = Store.open(str(tmp_path), chunk_tokens=1024)
+    write_synthetic_shard(b, 1, num_samples=3)
+    assert [b.commit_record(i)["chunk_tokens"] for i in (0, 1)] == [32, 1024]
+    for i in (0, 1):
+        np.testing.assert_array_equal(bits_of(b.read_shard(i).sample(1)[2]), synthetic_sample(i, 1, L, H)[2])
+    assert os.path.exists(tmp_path / "shards/00000/features/c.0.0.0")

@@ -1,7 +1,7 @@
 """dflash.extract: conversations -> target forward with layer capture -> committed shards of a store."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..config import ExtractConfig
@@ -9,8 +9,8 @@ if TYPE_CHECKING:
 __all__ = ["run"]
 
 
-def run(cfg: "ExtractConfig") -> None:
-    """Run `dflash extract` with a validated config."""
-    from ..errors import NotBuiltError
+def run(cfg: "ExtractConfig") -> dict[str, Any]:
+    """Return the summary of `dflash extract` run with a validated config (torch is imported only now)."""
+    from .run import run as _run
 
-    raise NotBuiltError("`dflash extract` is not built yet (it arrives with the extract issue); nothing was done")
+    return _run(cfg)

@@ -1,0 +1,113 @@
+"""The store header of an extract run: target identity, capture settings, tokenizer, dataset and shard plan."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, InputError
+from ..facts import NUM_FEATURE_LAYERS, build_target_layer_ids, validate_layer_ids
+from .data import Row, fingerprint, input_files
+from .plan import default_shard_size, shard_ranges
+from .template import text_hash
+
+__all__ = ["resolve_mask_token", "resolve_layers", "estimate_tokens_per_row", "build_header", "tokenizer_hash"]
+
+log = logging.getLogger(__name__)
+
+HEADER_KIND = "dflash-extract"
+
+
+def resolve_mask_token(vocab_size: int, num_tokenizer_tokens: int, explicit: int | None, model: str) -> int:
+    """Return the DFlash mask token: --mask-token-id if given, else the first embedding row the tokenizer never uses."""
+    if explicit is not None:
+        if not 0 <= explicit < vocab_size:
+            raise ConfigError(
+                f"--mask-token-id {explicit} is outside the target's embedding rows 0..{vocab_size - 1} ({model})"
+            )
+        return explicit
+    if vocab_size > num_tokenizer_tokens:
+        return num_tokenizer_tokens
+    raise InputError(
+        f"--model {model}: every embedding row ({vocab_size}) is a tokenizer token, so there is no unused row for "
+        "the DFlash mask token; pass --mask-token-id N with an unused special token"
+    )
+
+
+def resolve_layers(explicit: tuple[int, ...] | None, num_layers: int) -> list[int]:
+    """Return the captured layer ids: build_target_layer_ids(num_layers, 5) for auto, else the validated list."""
+    if explicit is None:
+        return build_target_layer_ids(num_layers, NUM_FEATURE_LAYERS)
+    return validate_layer_ids(list(explicit), num_layers)
+
+
+def estimate_tokens_per_row(rows: list[Row], max_length: int) -> float:
+    """Return a deterministic estimate of tokens per row (about 3.5 characters a token plus turn markup)."""
+    good = [r for r in rows if r.messages]
+    if not good:
+        return 1.0
+    total = sum(min(max_length, sum(len(m["content"]) for m in r.messages) / 3.5 + 8 * len(r.messages)) for r in good)
+    return max(1.0, total / len(good))
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """Return a hash of the tokenizer's vocabulary and rules (its backend JSON when it has one)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return text_hash(backend.to_str())
+    return text_hash(repr(sorted(tokenizer.get_vocab().items())))
+
+
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:32]
+
+
+def build_header(cfg: Any, model_config: Any, tokenizer: Any, template: str, rows: list[Row]) -> dict[str, Any]:
+    """Return the header this run's store must have; any difference from an existing store is a mismatch."""
+    num_layers = int(model_config.num_hidden_layers)
+    layer_ids = resolve_layers(cfg.layers, num_layers)
+    hidden = int(model_config.hidden_size)
+    mask = resolve_mask_token(int(model_config.vocab_size), len(tokenizer), cfg.mask_token_id, cfg.model)
+    shard_size = cfg.shard_size or default_shard_size(
+        estimate_tokens_per_row(rows, cfg.max_length), len(layer_ids) * hidden * 2
+    )
+    files = input_files(cfg.data)
+    bad: dict[str, int] = {}
+    for r in rows:
+        if r.error:
+            bad[r.error] = bad.get(r.error, 0) + 1
+    config_file = Path(cfg.model) / "config.json"
+    archs = getattr(model_config, "architectures", None) or [type(model_config).__name__]
+    return {
+        "kind": HEADER_KIND,
+        "target": {
+            "path": os.path.abspath(cfg.model),
+            "architecture": archs[0],
+            "config_hash": _file_hash(config_file) if config_file.is_file() else None,
+            "num_layers": num_layers,
+            "vocab_size": int(model_config.vocab_size),
+        },
+        "layer_ids": layer_ids,
+        "hidden_size": hidden,
+        "feature_dtype": "bfloat16",
+        "compute_dtype": cfg.dtype,
+        "codec": cfg.codec,
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "chat_template_hash": text_hash(template),
+        "mask_token_id": mask,
+        "max_length": cfg.max_length,
+        "min_loss_tokens": cfg.min_loss_tokens,
+        "dataset": {
+            "fingerprint": fingerprint(files),
+            "files": [f.name for f in files],
+            "rows": len(rows),
+            "bad_rows": dict(sorted(bad.items())),
+        },
+        "shard_plan": {
+            "num_rows": len(rows),
+            "rows_per_shard": shard_size,
+            "num_shards": len(shard_ranges(len(rows), shard_size)),
+        },
+    }

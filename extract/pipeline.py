@@ -1,0 +1,217 @@
+"""The per-device feature pipeline: padded batches -> truncated forward -> pinned host buffers -> a writer thread."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from .capture import TargetRunner
+from .plan import pack_batches
+
+__all__ = ["Sample", "Sink", "DiscardSink", "PipelineStats", "FeaturePipeline"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One tokenised sample ready for the target: its source row, token ids and loss mask."""
+
+    row: int
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+
+class Sink(Protocol):
+    def append(self, input_ids: Any, loss_mask: Any, features: Any, sample_id: int) -> None: ...
+
+
+class DiscardSink:
+    """A sink that drops features after the host copy (the benchmark's 'pipeline without disk')."""
+
+    def append(self, input_ids: Any, loss_mask: Any, features: Any, sample_id: int) -> None:
+        return None
+
+
+@dataclass
+class PipelineStats:
+    """What one run of the pipeline did: samples, real and padded tokens, time spent and time waited on writers."""
+
+    samples: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    batches: int = 0
+    seconds: float = 0.0
+    wait_s: float = 0.0
+
+    def add(self, other: "PipelineStats") -> None:
+        for f in ("samples", "tokens", "padded_tokens", "batches", "seconds", "wait_s"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+@dataclass
+class _Work:
+    batch: list[Sample]
+    buf: torch.Tensor | None
+    tokens: int
+    event: Any = None
+    slot: int = -1
+    sink: Sink | None = None
+    callback: Callable[[], None] | None = None
+
+
+class FeaturePipeline:
+    """Runs samples through the target and hands each sample's features to a sink, keeping the device busy.
+
+    On CUDA, features are copied into one of a fixed number of pinned host buffers on a side stream, and one
+    writer thread waits for each copy, appends the batch's samples to the sink (the store compresses in its own
+    pool) and frees the buffer. The forward loop only ever waits when every buffer is still with the writer: that
+    wait is the disk's share and is measured. Host memory is bounded by num_buffers * batch_tokens * L * H * 2.
+    """
+
+    def __init__(
+        self,
+        runner: TargetRunner,
+        batch_tokens: int,
+        *,
+        pad_id: int = 0,
+        num_buffers: int = 3,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.batch_tokens = batch_tokens
+        self.pad_id = pad_id
+        self.device = runner.device
+        self.cuda = self.device.type == "cuda"
+        self.on_batch = on_batch
+        self._buffers: list[torch.Tensor] = []
+        if self.cuda:
+            shape = (batch_tokens, len(runner.layer_ids), runner.hidden_size)
+            self._buffers = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(num_buffers)]
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+        self.num_buffers = num_buffers
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(num_buffers):
+            self._free.put(i)
+        self._work: queue.Queue[_Work | None] = queue.Queue()
+        self._failure: list[BaseException] = []
+        self._thread: threading.Thread | None = None
+
+    def run(self, samples: list[Sample], sink: Sink) -> PipelineStats:
+        """Return the stats of running every sample once and waiting until the sink has all of them."""
+        stats = self.submit(samples, sink)
+        self.drain()
+        return stats
+
+    def submit(self, samples: list[Sample], sink: Sink) -> PipelineStats:
+        """Return the forward-side stats after running every sample; the sink may still be receiving them.
+
+        The next shard's forward can start while this one's last batches are written and committed, so the
+        device does not idle at shard boundaries.
+        """
+        stats = PipelineStats()
+        t0 = time.perf_counter()
+        self._raise_failure()
+        self._ensure_writer()
+        lengths = [len(s.input_ids) for s in samples]
+        for idx in pack_batches(lengths, self.batch_tokens) if samples else []:
+            batch = [samples[i] for i in idx]
+            ids, lens = self._pad(batch)
+            stats.padded_tokens += ids.numel()
+            feats = self.runner.features(ids.to(self.device, non_blocking=True), lens)
+            w0 = time.perf_counter()
+            slot = self._free.get()
+            stats.wait_s += time.perf_counter() - w0
+            if self._failure:
+                self._free.put(slot)
+                break
+            self._work.put(self._to_host(batch, feats, slot, sink))
+            stats.batches += 1
+            stats.samples += len(batch)
+            stats.tokens += sum(lens)
+        self._raise_failure()
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run fn in the writer thread once everything submitted so far has reached its sink (e.g. a commit)."""
+        self._ensure_writer()
+        self._work.put(_Work([], None, 0, callback=fn))
+
+    def drain(self) -> float:
+        """Return the seconds waited until the writer finished all submitted work; re-raise its failure."""
+        w0 = time.perf_counter()
+        if self._thread is not None:
+            self._work.put(None)
+            self._thread.join()
+            self._thread = None
+        self._raise_failure()
+        return time.perf_counter() - w0
+
+    def _ensure_writer(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._write_loop, name="dflash-writer", daemon=True)
+            self._thread.start()
+
+    def _raise_failure(self) -> None:
+        if self._failure:
+            err = self._failure[0]
+            self._failure.clear()
+            raise err
+
+    def _pad(self, batch: list[Sample]) -> tuple[torch.Tensor, list[int]]:
+        lens = [len(s.input_ids) for s in batch]
+        ids = torch.full((len(batch), max(lens)), self.pad_id, dtype=torch.long, pin_memory=self.cuda)
+        for b, s in enumerate(batch):
+            ids[b, : lens[b]] = torch.from_numpy(s.input_ids.astype(np.int64, copy=False))
+        return ids, lens
+
+    def _to_host(self, batch: list[Sample], feats: torch.Tensor, slot: int, sink: Sink) -> _Work:
+        T = feats.shape[0]
+        if not self.cuda:
+            return _Work(batch, feats, T, slot=slot, sink=sink)
+        buf = self._buffers[slot]
+        compute = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self._copy_stream):
+            buf[:T].copy_(feats, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        # The caching allocator must not hand feats' memory to the next forward before the copy has read it.
+        feats.record_stream(self._copy_stream)
+        return _Work(batch, buf, T, event=event, slot=slot, sink=sink)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            try:
+                if self._failure:
+                    continue  # after a failure the rest is dropped; the forward loop re-raises it
+                if item.callback is not None:
+                    item.callback()
+                    continue
+                if item.event is not None:
+                    item.event.synchronize()
+                off = 0
+                for s in item.batch:
+                    n = len(s.input_ids)
+                    item.sink.append(s.input_ids, s.loss_mask, item.buf[off : off + n], s.row)
+                    off += n
+                if self.on_batch is not None:
+                    self.on_batch(len(item.batch), item.tokens)
+            except BaseException as e:  # handed to the forward loop, which re-raises it in its own thread
+                self._failure.append(e)
+            finally:
+                if item.slot >= 0:
+                    self._free.put(item.slot)

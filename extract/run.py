@@ -1,0 +1,166 @@
+"""Orchestration of `dflash extract`: header and store, one worker per device, progress, completion, summary."""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import traceback
+from typing import Any
+
+import click
+
+from ..errors import DflashError, InputError
+from .data import read_rows
+
+__all__ = ["run", "devices_for"]
+
+log = logging.getLogger(__name__)
+
+
+def devices_for(gpus: str, local_rank: int | None = None) -> list[str]:
+    """Return the torch devices this process serves: ["cpu"], one GPU per worker (clipped to what exists), or,
+    under torchrun-style launch (LOCAL_RANK set), the single GPU of this rank."""
+    from ..config import parse_gpus
+
+    ids = parse_gpus(gpus)
+    if ids is None:
+        return ["cpu"]
+    import torch
+
+    n = torch.cuda.device_count()
+    have = [i for i in ids if i < n]
+    if not have:
+        raise InputError(f"--gpus {gpus}: this machine has {n} CUDA device(s), none of those; pass --gpus cpu or 0..{n - 1}")
+    if len(have) < len(ids):
+        log.info("--gpus %s clipped to the %d existing device(s): %s", gpus, len(have), have)
+    if local_rank is not None:
+        return [f"cuda:{have[local_rank % len(have)]}"]
+    return [f"cuda:{i}" for i in have]
+
+
+def _report_bad_rows(rows: list[Any], strict: bool, shown: int = 5) -> None:
+    bad = [r for r in rows if r.error]
+    if bad and strict:
+        r = bad[0]
+        raise InputError(f"{r.where}: bad row ({r.error}: {r.detail}); fix or remove it, or rerun without --strict")
+    by_reason: dict[str, list[Any]] = {}
+    for r in bad:
+        by_reason.setdefault(r.error, []).append(r)
+    for reason, rs in sorted(by_reason.items()):
+        first = "; ".join(f"row {r.index} ({r.where}: {r.detail})" for r in rs[:shown])
+        log.warning("%d bad rows (%s), skipped: %s%s", len(rs), reason, first, "; ..." if len(rs) > shown else "")
+
+
+def _child(cfg_dict: dict[str, Any], spec: Any, events: Any, log_level: int) -> None:
+    """Entry point of a spawned worker process: run the worker, send its result or its error to the parent."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from ..config import ExtractConfig
+    from .worker import run_worker
+
+    try:
+        result = run_worker(ExtractConfig.from_dict(cfg_dict), spec, None, events.put)
+        events.put({"kind": "done", "worker": spec.index, "result": result})
+    except DflashError as e:
+        events.put({"kind": "error", "worker": spec.index, "message": str(e)})
+        raise SystemExit(2)
+    except BaseException:
+        events.put({"kind": "error", "worker": spec.index, "message": traceback.format_exc()})
+        raise SystemExit(1)
+
+
+def _run_spawned(cfg: Any, specs: list[Any], progress: Any) -> list[dict[str, Any]]:
+    """Return the results of one worker process per device, folding their events into progress as they come."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # CUDA cannot be forked
+    events = ctx.Queue()
+    procs = {
+        s.index: ctx.Process(target=_child, args=(cfg.to_dict(), s, events, logging.getLogger().level), daemon=False)
+        for s in specs
+    }
+    for p in procs.values():
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    errors: dict[int, str] = {}
+    try:
+        while len(results) + len(errors) < len(procs):
+            try:
+                ev = events.get(timeout=1.0)
+            except queue.Empty:
+                for i, p in procs.items():
+                    if i not in results and i not in errors and p.exitcode is not None and events.empty():
+                        errors[i] = f"worker on {specs[i].device} died with exit code {p.exitcode}"
+                continue
+            if ev["kind"] == "done":
+                results[ev["worker"]] = ev["result"]
+            elif ev["kind"] == "error":
+                errors[ev["worker"]] = ev["message"]
+            else:
+                progress.update(ev)
+    finally:
+        for p in procs.values():
+            p.join(timeout=60)
+    if errors:
+        first = sorted(errors.items())[0][1]
+        raise DflashError(f"{len(errors)} of {len(procs)} extract workers failed; first: {first.strip()}")
+    return [results[i] for i in sorted(results)]
+
+
+def run(cfg: Any) -> dict[str, Any]:
+    """Return the run summary after extracting every uncommitted shard of cfg.out (rerun the same config to resume)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..storage import Store
+    from .header import build_header
+    from .progress import Progress, format_summary, summarise
+    from .template import load_template
+    from .worker import WorkerSpec, run_worker
+
+    try:
+        model_config = AutoConfig.from_pretrained(cfg.model)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    except (OSError, ValueError) as e:
+        raise InputError(
+            f"--model {cfg.model}: expected a Hugging Face model folder with config.json and a tokenizer; "
+            f"{str(e).splitlines()[0][:200]}"
+        ) from None
+    template = load_template(tokenizer, cfg.chat_template)
+    rows = read_rows(cfg.data)
+    _report_bad_rows(rows, cfg.strict)
+    header = build_header(cfg, model_config, tokenizer, template, rows)
+    store = Store.create_or_open(cfg.out, header)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ["LOCAL_RANK"]) if world > 1 and "LOCAL_RANK" in os.environ else None
+    devices = devices_for(cfg.gpus, local_rank)
+    plan = header["shard_plan"]
+    committed = set(store.committed_ids())
+    left = sum(
+        min(plan["rows_per_shard"], plan["num_rows"] - s * plan["rows_per_shard"])
+        for s in range(plan["num_shards"])
+        if s not in committed
+    )
+    log.info(
+        "extract %s: %d rows in %d shards (%d committed), layers %s, mask token %d, %d worker(s) on %s",
+        cfg.out, plan["num_rows"], plan["num_shards"], len(committed), header["layer_ids"], header["mask_token_id"],
+        len(devices), ",".join(devices),
+    )
+    progress = Progress(left, show=rank == 0)
+    base = 0 if local_rank is None else rank
+    specs = [WorkerSpec(device=d, index=base + i, header=store.header) for i, d in enumerate(devices)]
+    try:
+        if len(specs) == 1:
+            results = [run_worker(cfg, specs[0], rows, progress.update)]
+        else:
+            results = _run_spawned(cfg, specs, progress)
+    finally:
+        progress.close()
+    summary = summarise(store, results)
+    if len(store.committed_ids()) >= store.num_shards:
+        # Whoever sees every shard committed records the dataset totals (peers may do it too: same content).
+        store.mark_complete({k: v for k, v in summary.items() if k != "devices"} | {"config": cfg.to_dict()})
+    elif rank == 0:
+        log.info("other workers still hold shards; the last one to finish marks the store complete")
+    if rank == 0:
+        click.echo(format_summary(summary, cfg.out), err=True)
+    return summary

@@ -1,0 +1,129 @@
+"""Masks of a packed DFlash batch and the two kernels that apply them: SDPA (dense mask) and flex_attention.
+
+Keys are laid out as [N context tokens ; A*B block tokens]. A block query sees context keys of its own sequence
+at positions < its anchor, the keys of its own block (bidirectionally), nothing else; sliding-window layers also
+drop keys at distance >= window.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn import functional as F
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .model import Attend, DrafterConfig
+    from .objective import PackedBatch
+
+__all__ = ["visible", "key_index", "query_index", "dense_masks", "make_attend", "bucket"]
+
+log = logging.getLogger(__name__)
+
+
+def visible(q_seq, q_anchor, q_pos, q_block, k_seq, k_pos, k_block, window: int | None):
+    """Return whether each query sees each key (tensors broadcast; a key with k_block < 0 is a context token)."""
+    ok = (k_block == q_block) | ((k_block < 0) & (k_seq == q_seq) & (k_pos < q_anchor))
+    if window is not None:
+        ok = ok & ((q_pos - k_pos).abs() < window)
+    return ok
+
+
+def query_index(batch: "PackedBatch") -> tuple[torch.Tensor, ...]:
+    """Return (seq, anchor, pos, block) [A*B] of every block query."""
+    B = batch.block_size
+    blk = torch.arange(batch.num_blocks, device=batch.anchor_pos.device).repeat_interleave(B)
+    return batch.block_seq[blk], batch.anchor_pos[blk], batch.block_pos.reshape(-1), blk
+
+
+def key_index(batch: "PackedBatch") -> tuple[torch.Tensor, ...]:
+    """Return (seq, pos, block) [N + A*B] of every key: context tokens (block -1), then block tokens."""
+    q_seq, _, q_pos, q_blk = query_index(batch)
+    neg = torch.full_like(batch.ctx_pos, -1)
+    return torch.cat([batch.ctx_seq, q_seq]), torch.cat([batch.ctx_pos, q_pos]), torch.cat([neg, q_blk])
+
+
+def _window(cfg: "DrafterConfig", kind: str) -> int | None:
+    return cfg.sliding_window if kind == "sliding_attention" else None
+
+
+def dense_masks(batch: "PackedBatch", cfg: "DrafterConfig") -> dict[str, torch.Tensor]:
+    """Return the boolean mask [A*B, N + A*B] of each layer type used by the drafter."""
+    qs, qa, qp, qb = (t[:, None] for t in query_index(batch))
+    ks, kp, kb = (t[None, :] for t in key_index(batch))
+    return {kind: visible(qs, qa, qp, qb, ks, kp, kb, _window(cfg, kind)) for kind in set(cfg.layer_types)}
+
+
+def bucket(n: int, minimum: int = 256) -> int:
+    """Return n rounded up to one of four sizes per power of two (>= minimum): few shapes, <= 25% padding."""
+    if n <= minimum:
+        return minimum
+    step = 1 << max(0, n.bit_length() - 3)
+    return -(-n // step) * step
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # dynamic=False with bucketed shapes: one compiled kernel per bucket, reused across steps.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _pad(t: torch.Tensor, n: int, value: int) -> torch.Tensor:
+    return torch.cat([t, t.new_full((n - t.shape[0],), value)]) if n > t.shape[0] else t
+
+
+def _flex_attend(batch: "PackedBatch", cfg: "DrafterConfig") -> "Attend":
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    N, Q = batch.ctx_pos.shape[0], batch.num_blocks * batch.block_size
+    Np, Qp = bucket(N, 128), bucket(Q)
+    B = batch.block_size
+    q_seq, q_anchor, q_pos, q_blk = query_index(batch)
+    # Padded queries form blocks of their own (ids >= A) in sequence -2; padded context keys belong to
+    # sequence -1 and are seen by nobody. So padding changes no real row and no padded row is empty.
+    pad_blk = batch.num_blocks + torch.arange(Qp - Q, device=q_blk.device) // B
+    q_seq, q_anchor, q_pos = _pad(q_seq, Qp, -2), _pad(q_anchor, Qp, 0), _pad(q_pos, Qp, 0)
+    q_blk = torch.cat([q_blk, pad_blk])
+    k_seq = torch.cat([_pad(batch.ctx_seq, Np, -1), q_seq])
+    k_pos = torch.cat([_pad(batch.ctx_pos, Np, 0), q_pos])
+    k_blk = torch.cat([_pad(torch.full_like(batch.ctx_pos, -1), Np, -1), q_blk])
+    masks = {}
+    for kind in set(cfg.layer_types):
+        window = _window(cfg, kind)
+
+        def mask_mod(b, h, qi, ki, window=window):
+            return visible(q_seq[qi], q_anchor[qi], q_pos[qi], q_blk[qi], k_seq[ki], k_pos[ki], k_blk[ki], window)
+
+        masks[kind] = create_block_mask(mask_mod, None, None, Qp, Np + Qp, device=q_seq.device, _compile=True)
+    flex = _compiled_flex()
+
+    def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def pad_kv(t: torch.Tensor) -> torch.Tensor:
+            ctx, blk = t[:, :, :N], t[:, :, N:]
+            return torch.cat([F.pad(ctx, (0, 0, 0, Np - N)), F.pad(blk, (0, 0, 0, Qp - Q))], dim=2)
+
+        out = flex(F.pad(q, (0, 0, 0, Qp - Q)), pad_kv(k), pad_kv(v), block_mask=masks[cfg.layer_types[index]],
+                   enable_gqa=q.shape[1] != k.shape[1])
+        return out[:, :, :Q]
+
+    return attend
+
+
+def make_attend(batch: "PackedBatch", cfg: "DrafterConfig", kind: str = "sdpa") -> "Attend":
+    """Return the Attend of a packed batch: "sdpa" (dense boolean mask, portable) or "flex" (CUDA block mask)."""
+    if kind == "flex":
+        return _flex_attend(batch, cfg)
+    if kind != "sdpa":
+        raise ConfigError(f"--attention {kind!r}: use flex or sdpa")
+    masks = dense_masks(batch, cfg)
+    per_layer = [masks[t][None, None] for t in cfg.layer_types]
+
+    def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=per_layer[index], enable_gqa=q.shape[1] != k.shape[1])
+
+    return attend

@@ -1,0 +1,340 @@
+"""The DFlash drafter: Qwen3 decoder layers whose queries come from a block and keys/values from [context ; block].
+
+Parameter names are exactly the exported ones (`layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`), so a
+checkpoint's state dict is the export. The target's embedding and lm_head are not parameters here: the caller
+passes them (frozen) to the objective or to `draft_logits`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
+
+from ..errors import ConfigError, InputError
+from ..facts import NUM_FEATURE_LAYERS
+
+__all__ = ["DrafterConfig", "DFlashDrafter", "Attend", "layer_types_for", "apply_rope"]
+
+log = logging.getLogger(__name__)
+
+# attend(layer_index, q [1, heads, Q, d], k [1, kv_heads, K, d], v [1, kv_heads, K, d]) -> [1, heads, Q, d]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def layer_types_for(num_layers: int, sliding_window: int | None, full_every: int | None) -> list[str]:
+    """Return the attention type of each drafter layer: all full, or sliding with every K-th layer full."""
+    if sliding_window is None or full_every is None:
+        return ["full_attention"] * num_layers
+    return ["full_attention" if (i + 1) % full_every == 0 else "sliding_attention" for i in range(num_layers)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    """Shape of a drafter: the target's attention geometry plus the DFlash settings (block, layer ids, mask token)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
+    max_position_embeddings: int = 40960
+    hidden_act: str = "silu"
+    block_size: int = 16
+    target_layer_ids: tuple[int, ...] = (1, 9, 17, 25, 33)
+    num_target_layers: int = 36
+    mask_token_id: int = 0
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", tuple(["full_attention"] * self.num_hidden_layers))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"drafter layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
+                f"{self.num_hidden_layers}; rebuild the config with DrafterConfig.from_target"
+            )
+        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ConfigError(f"drafter layer_types {bad} are not full_attention or sliding_attention")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ConfigError("drafter has sliding_attention layers but no sliding_window; pass --sliding-window W")
+        if self.block_size < 2:
+            raise ConfigError(f"--block-size must be >= 2, got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                f"mask token id {self.mask_token_id} is outside the target vocabulary 0..{self.vocab_size - 1}; "
+                "rerun `dflash extract` with --mask-token-id"
+            )
+
+    @classmethod
+    def from_target(
+        cls,
+        target: str | os.PathLike | dict[str, Any],
+        *,
+        target_layer_ids: list[int] | tuple[int, ...],
+        mask_token_id: int,
+        draft_layers: int = 5,
+        block_size: int = 16,
+        sliding_window: int | None = None,
+        full_every: int | None = None,
+    ) -> "DrafterConfig":
+        """Return the drafter config derived from a target folder (or its config.json mapping) and DFlash options."""
+        cfg = _read_target_config(target) if not isinstance(target, dict) else target
+        cfg = cfg.get("text_config", cfg)  # multimodal targets keep the language model's fields nested
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            rope = cfg.get("rope_parameters") or {
+                "rope_type": "default",
+                "rope_theta": float(cfg.get("rope_theta", 10000.0)),
+                **(cfg.get("rope_scaling") or {}),
+            }
+            return cls(
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=draft_layers,
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                vocab_size=int(cfg["vocab_size"]),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_parameters=dict(rope),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+                hidden_act=str(cfg.get("hidden_act", "silu")),
+                block_size=block_size,
+                target_layer_ids=tuple(target_layer_ids),
+                num_target_layers=int(cfg["num_hidden_layers"]),
+                mask_token_id=mask_token_id,
+                layer_types=tuple(layer_types_for(draft_layers, sliding_window, full_every)),
+                sliding_window=sliding_window if full_every else None,
+            )
+        except KeyError as e:
+            raise InputError(f"target config {target if not isinstance(target, dict) else '<dict>'} has no {e}; "
+                             "expected a Hugging Face decoder config.json") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the config as JSON-able values."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DrafterConfig":
+        """Return the config stored by `to_dict`; unknown keys are refused by name."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"drafter config has unknown field(s) {unknown}; allowed: {sorted(names)}")
+        return cls(**data)
+
+    def qwen3_config(self) -> Qwen3Config:
+        """Return the transformers Qwen3Config of the drafter's layers (what the exported config.json extends)."""
+        sliding = "sliding_attention" in self.layer_types
+        return Qwen3Config(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=dict(self.rope_parameters),
+            attention_bias=False,
+            use_sliding_window=sliding,
+            sliding_window=self.sliding_window,
+            max_window_layers=self.num_hidden_layers,
+            layer_types=list(self.layer_types),
+            tie_word_embeddings=False,
+        )
+
+
+def _read_target_config(path: str | os.PathLike) -> dict[str, Any]:
+    file = os.path.join(os.fspath(path), "config.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"{file}: cannot read the target's config ({e}); pass --target a Hugging Face folder") from None
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm (statistics in at least fp32, scale applied in the input dtype); exact in float64 too."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return weight * x / rms(x)."""
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Return x [.., N, d] rotated by the RoPE angles cos/sin [N, d] (the half-split convention of Qwen3)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DrafterAttention(nn.Module):
+    """Attention whose queries are the block's and whose keys/values are the context's and the block's."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        d, h, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim, self.heads, self.kv_heads = d, h, kv
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_x: tuple, rope_ctx: tuple, attend: Attend,
+                index: int) -> torch.Tensor:
+        """Return the attention output [Q, H] of block tokens x [Q, H] over keys of [ctx [N, H] ; x]."""
+        d = self.head_dim
+        q = self.q_norm(self.q_proj(x).view(-1, self.heads, d))
+        # The context and block keys share k_proj/k_norm; RoPE uses each token's own position.
+        k_ctx = self.k_norm(self.k_proj(ctx).view(-1, self.kv_heads, d))
+        k_x = self.k_norm(self.k_proj(x).view(-1, self.kv_heads, d))
+        v = torch.cat([self.v_proj(ctx), self.v_proj(x)], 0).view(-1, self.kv_heads, d)
+        q = apply_rope(q.transpose(0, 1), *rope_x)
+        k = torch.cat([apply_rope(k_ctx.transpose(0, 1), *rope_ctx), apply_rope(k_x.transpose(0, 1), *rope_x)], 1)
+        out = attend(index, q[None], k[None], v.transpose(0, 1)[None])  # [1, heads, Q, d]
+        return self.o_proj(out[0].transpose(0, 1).reshape(x.shape[0], self.heads * d))
+
+
+class DrafterLayer(nn.Module):
+    """One Qwen3 decoder layer (pre-norm attention and SwiGLU MLP) with DFlash attention."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg)
+        self.mlp = Qwen3MLP(cfg.qwen3_config())
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_x: tuple, rope_ctx: tuple, attend: Attend,
+                index: int) -> torch.Tensor:
+        """Return the layer's output for block tokens x [Q, H]; the context is used as given (not re-normed)."""
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_x, rope_ctx, attend, index)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """The drafter: `fc` + `hidden_norm` over target features, decoder layers over the block, final `norm`."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        n_feat = len(cfg.target_layer_ids) or NUM_FEATURE_LAYERS
+        self.layers = nn.ModuleList([DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.fc = nn.Linear(n_feat * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(cfg.qwen3_config())  # inv_freq is a non-persistent buffer
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Initialise linear weights N(0, std) and norms to one, as Qwen3 models are initialised."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, std)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    def _rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary_emb(like, positions[None])
+        return cos[0], sin[0]
+
+    def forward(self, features: torch.Tensor, ctx_pos: torch.Tensor, block_embeds: torch.Tensor,
+                block_pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Return the final-normed hidden states [Q, H] of the block tokens.
+
+        features [N, n*H] are the target features of every context token (any packing), ctx_pos [N] their
+        positions, block_embeds [Q, H] the target embeddings of the block tokens and block_pos [Q] their positions.
+        `attend` sees keys laid out as [N context ; Q block] and applies the mask that packing implies.
+        """
+        if features.dim() == 3:  # [N, n, H] as stored -> [N, n*H], layer-major as the reference concatenates
+            features = features.flatten(1)
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        x = block_embeds.to(self.fc.weight.dtype)
+        rope_x, rope_ctx = self._rope(x, block_pos), self._rope(x, ctx_pos)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, rope_x, rope_ctx, attend, i)
+        return self.norm(x)
+
+    @property
+    def scale(self) -> float:
+        """Return the attention softmax scale 1/sqrt(head_dim)."""
+        return 1.0 / math.sqrt(self.config.head_dim)
+
+
+def _sdpa_attend(masks: list[torch.Tensor | None]) -> Attend:
+    """Return an Attend that runs SDPA with the boolean mask of each layer (None: every key visible)."""
+
+    def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=masks[index], enable_gqa=q.shape[1] != k.shape[1])
+
+    return attend
+
+
+@torch.no_grad()
+def draft_logits(
+    model: DFlashDrafter,
+    context_features: torch.Tensor,
+    anchor_id: int,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    anchor_pos: int | None = None,
+) -> torch.Tensor:
+    """Return the draft logits [B-1, V] of one block, computed the way inference does.
+
+    context_features [S, n*H] (or [S, n, H]) are the target features of the accepted tokens at positions 0..S-1;
+    the block is the anchor token (the last accepted one, at position `anchor_pos`, default S) then B-1 mask
+    tokens. Only context positions < anchor_pos are used. No packing, no block mask: one block alone.
+    """
+    cfg = model.config
+    S = context_features.shape[0]
+    anchor_pos = S if anchor_pos is None else int(anchor_pos)
+    if anchor_pos < 0:
+        raise InputError(f"anchor position must be >= 0, got {anchor_pos}")
+    ctx = context_features[: min(S, anchor_pos)]
+    device = ctx.device
+    ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=device)
+    ids[0] = anchor_id
+    ctx_pos = torch.arange(ctx.shape[0], device=device)
+    block_pos = anchor_pos + torch.arange(cfg.block_size, device=device)
+    masks: list[torch.Tensor | None] = []
+    for kind in cfg.layer_types:
+        if kind == "sliding_attention":
+            key_pos = torch.cat([ctx_pos, block_pos])
+            dist = block_pos[:, None] - key_pos[None, :]
+            masks.append((dist.abs() < cfg.sliding_window)[None, None])
+        else:
+            masks.append(None)
+    hidden = model(ctx, ctx_pos, F.embedding(ids, embed_weight), block_pos, _sdpa_attend(masks))
+    return (hidden[1:] @ lm_head_weight.to(hidden.dtype).T).to(torch.promote_types(hidden.dtype, torch.float32))

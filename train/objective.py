@@ -1,0 +1,261 @@
+"""The DFlash training objective: anchors, packed block inputs, labels, decay weights, chunked loss and metrics.
+
+A batch packs several sequences: the context features of all of them concatenated (with `cu_ctx` offsets), and
+all their blocks (anchor token, then B-1 mask tokens) one after another. `attention.py` turns the index tensors
+into the mask; `drafter_loss` runs the drafter and the chunked lm_head cross-entropy.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch.nn import functional as F
+
+from ..errors import InputError
+from ..facts import decay_gamma
+from .linear_ce import chunked_linear_ce
+
+__all__ = ["sample_anchors", "decay_weights", "PackedBatch", "pack_batch", "Metrics", "drafter_loss", "block_metrics"]
+
+log = logging.getLogger(__name__)
+
+
+def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Return sorted anchor positions: up to max_anchors, without replacement, among p with mask[p] and mask[p+1]."""
+    m = loss_mask.to(torch.bool).cpu()
+    candidates = torch.nonzero(m[:-1] & m[1:], as_tuple=False)[:, 0]
+    if candidates.numel() > max_anchors:
+        pick = torch.randperm(candidates.numel(), generator=generator)[:max_anchors]
+        candidates = candidates[pick]
+    return torch.sort(candidates).values
+
+
+def decay_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """Return the per-slot loss weights [B]: 0 for slot 0 (the anchor), exp(-(k-1)/gamma) for slot k >= 1."""
+    g = decay_gamma(block_size) if gamma is None else gamma
+    k = torch.arange(block_size, dtype=torch.float64)
+    w = torch.exp(-(k - 1) / g)
+    w[0] = 0.0
+    return w.float()
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Several sequences packed for one drafter step (A blocks of B slots over N context tokens).
+
+    features [N, n*H]: context features, sequences concatenated, each cut after its last anchor's context;
+    ctx_pos [N], ctx_seq [N]: position in its sequence and sequence index of each context token;
+    cu_ctx [S+1], cu_blocks [S+1]: offsets of each sequence's context tokens and blocks;
+    block_ids [A, B]: anchor token then mask tokens; anchor_pos [A], block_seq [A];
+    labels [A, B]: data token at anchor + k (0 where out of range); weights [A, B]: decay weight where the label
+    is in the sequence and in its loss mask, else 0 (slot 0 always 0).
+    """
+
+    features: torch.Tensor
+    ctx_pos: torch.Tensor
+    ctx_seq: torch.Tensor
+    cu_ctx: torch.Tensor
+    block_ids: torch.Tensor
+    anchor_pos: torch.Tensor
+    block_seq: torch.Tensor
+    cu_blocks: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        """Return B."""
+        return self.block_ids.shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        """Return A, the number of blocks (anchors) in the batch."""
+        return self.block_ids.shape[0]
+
+    @property
+    def block_pos(self) -> torch.Tensor:
+        """Return the position ids [A, B] of every block slot: anchor + k."""
+        return self.anchor_pos[:, None] + torch.arange(self.block_size, device=self.anchor_pos.device)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedBatch":
+        """Return the batch with every tensor on device."""
+        return PackedBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
+
+
+def pack_batch(
+    sequences: Sequence[Mapping[str, Any]],
+    *,
+    block_size: int,
+    mask_token_id: int,
+    max_anchors: int = 512,
+    seed: int = 0,
+    gamma: float | None = None,
+) -> PackedBatch:
+    """Return one PackedBatch of sequences (each a mapping with input_ids [T], loss_mask [T], features [T, n, H]).
+
+    Anchors are drawn by a generator seeded with `seed`, sequence after sequence, so the batch is a pure function
+    of (sequences, seed). Tensors stay on the device of the inputs' features.
+    """
+    gen = torch.Generator().manual_seed(int(seed))
+    decay = decay_weights(block_size, gamma)
+    feats, ctx_pos, ctx_seq, ids, anchors, bseq, labels, weights = [], [], [], [], [], [], [], []
+    cu_ctx, cu_blocks = [0], [0]
+    k = torch.arange(block_size)
+    for s, seq in enumerate(sequences):
+        input_ids = torch.as_tensor(seq["input_ids"]).long().cpu()
+        loss_mask = torch.as_tensor(seq["loss_mask"]).bool().cpu()
+        f = seq["features"]
+        T = input_ids.shape[0]
+        if loss_mask.shape[0] != T or f.shape[0] != T:
+            raise InputError(
+                f"sequence {s} of the batch: input_ids has {T} tokens but loss_mask has {loss_mask.shape[0]} and "
+                f"features {f.shape[0]}; the store is inconsistent, run `dflash verify STORE`"
+            )
+        a = sample_anchors(loss_mask, max_anchors, gen)
+        n_ctx = int(a[-1]) if a.numel() else 0  # the last block sees positions < its anchor, no further
+        feats.append(f[:n_ctx].flatten(1) if f.dim() == 3 else f[:n_ctx])
+        ctx_pos.append(torch.arange(n_ctx))
+        ctx_seq.append(torch.full((n_ctx,), s))
+        pos = a[:, None] + k  # [a, B]
+        inside = pos < T
+        lab = torch.where(inside, input_ids[pos.clamp(max=T - 1)], 0)
+        valid = inside & loss_mask[pos.clamp(max=T - 1)]
+        valid[:, 0] = False
+        block = torch.full((a.numel(), block_size), mask_token_id, dtype=torch.long)
+        block[:, 0] = input_ids[a]
+        ids.append(block)
+        anchors.append(a)
+        bseq.append(torch.full((a.numel(),), s))
+        labels.append(lab)
+        weights.append(decay * valid)
+        cu_ctx.append(cu_ctx[-1] + n_ctx)
+        cu_blocks.append(cu_blocks[-1] + a.numel())
+    if not sequences:
+        raise InputError("pack_batch got no sequences; the loader must give each step at least one")
+    device = sequences[0]["features"].device
+    long = dict(dtype=torch.long, device=device)
+    return PackedBatch(
+        features=torch.cat(feats).to(device),
+        ctx_pos=torch.cat(ctx_pos).to(**long),
+        ctx_seq=torch.cat(ctx_seq).to(**long),
+        cu_ctx=torch.tensor(cu_ctx, **long),
+        block_ids=torch.cat(ids).to(device),
+        anchor_pos=torch.cat(anchors).to(**long),
+        block_seq=torch.cat(bseq).to(**long),
+        cu_blocks=torch.tensor(cu_blocks, **long),
+        labels=torch.cat(labels).to(device),
+        weights=torch.cat(weights).to(device),
+    )
+
+
+@dataclass
+class Metrics:
+    """Sums and counts of one or more steps; add them across steps and ranks, then read the rates.
+
+    ce_sum: sum of w_k * CE_k; weight_sum: sum of w_k; slot_correct / slot_count [B-1]: correct and counted
+    predictions of slots 1..B-1; streak_sum: sum over blocks of leading correct slots; blocks: number of blocks.
+    """
+
+    ce_sum: float
+    weight_sum: float
+    slot_correct: list[int]
+    slot_count: list[int]
+    streak_sum: int
+    blocks: int
+
+    @property
+    def loss(self) -> float:
+        """Return the weighted mean cross-entropy sum w CE / sum w (0 without counted slots)."""
+        return self.ce_sum / self.weight_sum if self.weight_sum else 0.0
+
+    @property
+    def slot_accuracy(self) -> list[float]:
+        """Return the top-1 accuracy of each slot 1..B-1 (nan where no slot was counted)."""
+        return [c / n if n else float("nan") for c, n in zip(self.slot_correct, self.slot_count)]
+
+    @property
+    def tau_hat(self) -> float:
+        """Return 1 + mean streak: the expected tokens per block under greedy verification, teacher-forced."""
+        return 1.0 + (self.streak_sum / self.blocks if self.blocks else 0.0)
+
+    def to_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Return every sum as one float64 vector (for torch.distributed.all_reduce)."""
+        vals = [self.ce_sum, self.weight_sum, self.streak_sum, self.blocks, *self.slot_correct, *self.slot_count]
+        return torch.tensor(vals, dtype=torch.float64, device=device)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "Metrics":
+        """Return the Metrics of a vector made by to_tensor (possibly summed across ranks)."""
+        v = t.double().cpu().tolist()
+        n = (len(v) - 4) // 2
+        return cls(v[0], v[1], [round(x) for x in v[4:4 + n]], [round(x) for x in v[4 + n:]], round(v[2]), round(v[3]))
+
+    def __add__(self, other: "Metrics") -> "Metrics":
+        return Metrics.from_tensor(self.to_tensor() + other.to_tensor())
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the rates and counts as JSON-able values for metrics.jsonl."""
+        return {"loss": self.loss, "tau_hat": self.tau_hat, "slot_accuracy": self.slot_accuracy,
+                "blocks": self.blocks, "counted_slots": int(sum(self.slot_count))}
+
+
+def block_metrics(correct: torch.Tensor, counted: torch.Tensor) -> tuple[list[int], list[int], int]:
+    """Return (correct per slot, counted per slot, sum of streaks) for [A, B-1] boolean predictions of slots 1..B-1.
+
+    A block's streak is its number of leading slots that are counted and correct; a slot that is not counted
+    (beyond the sequence or outside the loss mask) ends the streak, since nothing past it could be accepted.
+    """
+    hit = correct & counted
+    streak = torch.cumprod(hit.int(), dim=1).sum()
+    return hit.sum(0).tolist(), counted.sum(0).tolist(), int(streak)
+
+
+def drafter_loss(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    *,
+    attention: str = "sdpa",
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """Return (loss = sum_k w_k CE_k / sum w_k over the batch, Metrics) for one packed batch.
+
+    attention "sdpa" (dense boolean mask, any device) or "flex" (block mask, CUDA). embed_weight and
+    lm_head_weight are the target's frozen tensors. The lm_head runs only on counted slots, in chunks.
+    """
+    from .attention import make_attend
+
+    cfg = model.config if hasattr(model, "config") else model.module.config
+    B = batch.block_size
+    if B != cfg.block_size:
+        raise InputError(f"batch has blocks of {B} slots but the drafter was built for {cfg.block_size}")
+    attend = make_attend(batch, cfg, attention)
+    block_pos = batch.block_pos.reshape(-1)
+    embeds = F.embedding(batch.block_ids.reshape(-1), embed_weight.detach())
+    hidden = model(batch.features, batch.ctx_pos, embeds, block_pos, attend)  # [A*B, H]
+    w = batch.weights[:, 1:]
+    counted = w > 0
+    rows = torch.nonzero(counted.reshape(-1), as_tuple=False)[:, 0]
+    weight_sum = w.sum()
+    h = hidden.view(-1, B, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    labels = batch.labels[:, 1:].reshape(-1).index_select(0, rows)
+    row_w = w.reshape(-1).index_select(0, rows)
+    scale = row_w / weight_sum.clamp(min=1e-12)
+    loss, ce, pred = chunked_linear_ce(h, lm_head_weight, labels, scale, chunk_rows)
+    if rows.numel() == 0:
+        loss = hidden.sum() * 0.0  # keeps the graph (DDP needs every parameter used) with a zero gradient
+    correct = torch.zeros_like(counted).reshape(-1)
+    correct[rows] = pred == labels
+    slot_correct, slot_count, streak = block_metrics(correct.view_as(counted), counted)
+    metrics = Metrics(
+        ce_sum=float((ce * row_w).sum()),
+        weight_sum=float(weight_sum),
+        slot_correct=slot_correct,
+        slot_count=slot_count,
+        streak_sum=streak,
+        blocks=batch.num_blocks,
+    )
+    return loss, metrics

@@ -1,0 +1,199 @@
+"""`dflash generate` on the tiny random Qwen3 target: record shape, batched == one-by-one, resume, bad inputs."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash.config import GenerateConfig
+from dflash.errors import ConfigError, InputError
+from dflash.extract.data import normalise
+from dflash.extract.generate import read_prompts, run
+
+PROMPTS = [
+    {"prompt": "hi"},
+    {"prompt": "Write a function that adds two numbers, then explain it in one line."},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Name a color."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another one, please, and say why you picked it."},
+        ]
+    },
+    {"prompt": "Tell me a short story about a fox."},
+    "a bare JSON string is a prompt too",
+    {"prompt": "ok"},
+]
+
+
+def _write_prompts(path: Path, rows: list) -> Path:
+    # A blank line in the middle is not a row: rows are the non-blank lines, numbered from 0.
+    lines = [json.dumps(r) for r in rows]
+    lines.insert(3, "")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _cfg(model: Path, prompts: Path, out: Path, **kw) -> GenerateConfig:
+    kw.setdefault("max_new_tokens", 12)
+    return GenerateConfig(model=str(model), prompts=str(prompts), out=str(out), **kw)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    return _write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen3, prompts_file, tmp_path_factory) -> Path:
+    """Greedy answers of every prompt, batched by 3 (so batches mix lengths and need left padding)."""
+    out = tmp_path_factory.mktemp("ref") / "data.jsonl"
+    result = run(_cfg(tiny_qwen3, prompts_file, out, batch_size=3))
+    assert (result.answered, result.skipped) == (len(PROMPTS), 0)
+    return out
+
+
+def test_records_are_conversations_ready_for_extract(reference, prompts_file):
+    recs = _records(reference)
+    prompts = read_prompts(prompts_file)
+    assert sorted(r["source_row"] for r in recs) == list(range(len(PROMPTS)))
+    for r in recs:
+        p = prompts[r["source_row"]]
+        assert r["messages"][:-1] == p.messages
+        assert r["messages"][-1]["role"] == "assistant"
+        assert 0 <= r["completion_tokens"] <= 12
+        assert r["finish_reason"] == ("length" if r["completion_tokens"] == 12 else "stop")
+        if r["messages"][-1]["content"].strip():
+            # extract's own reader takes the record as one conversation with an assistant turn to train on
+            assert normalise(r) == r["messages"]
+    assert any(r["completion_tokens"] > 0 for r in recs)
+    # The conversation rows keep their system and earlier turns.
+    assert recs[[r["source_row"] for r in recs].index(3)]["messages"][1] == {"role": "assistant", "content": "Blue."}
+    assert (reference.parent / "data.jsonl.config.json").exists()
+
+
+def _manual_greedy(model_dir: Path, messages: list[dict], max_new: int) -> str:
+    """Greedy decoding by hand (full forward each step, argmax), as an independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    new: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            nxt = int(model(torch.cat([ids, torch.tensor([new], dtype=ids.dtype)], 1)).logits[0, -1].argmax())
+            if nxt == tok.eos_token_id:
+                break
+            new.append(nxt)
+    return tok.decode(new, skip_special_tokens=True)
+
+
+def test_greedy_batched_equals_one_by_one(tiny_qwen3, prompts_file, reference, tmp_path):
+    out = tmp_path / "one.jsonl"
+    run(_cfg(tiny_qwen3, prompts_file, out, batch_size=1))
+    by_row = lambda path: {r["source_row"]: r for r in _records(path)}  # noqa: E731
+    assert by_row(out) == by_row(reference)
+    prompts = read_prompts(prompts_file)
+    for row in (1, 3):  # a long and a multi-turn prompt, both padded in their batch of 3
+        expected = _manual_greedy(tiny_qwen3, prompts[row].messages, 12)
+        assert expected  # a non-empty answer, so the comparison says something
+        assert by_row(reference)[row]["messages"][-1]["content"] == expected
+
+
+def test_resume_after_partial_output_and_torn_last_line(tiny_qwen3, prompts_file, reference, tmp_path):
+    ref_lines = reference.read_text(encoding="utf-8").splitlines(keepends=True)
+    out = tmp_path / "data.jsonl"
+    torn = ref_lines[3][: len(ref_lines[3]) // 2]
+    out.write_text("".join(ref_lines[:3]) + torn, encoding="utf-8")
+    result = run(_cfg(tiny_qwen3, prompts_file, out, batch_size=2))
+    assert (result.skipped, result.answered) == (3, len(PROMPTS) - 3)
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith("".join(ref_lines[:3]))  # the answered rows were kept, not redone
+    recs = _records(out)
+    assert sorted(r["source_row"] for r in recs) == list(range(len(PROMPTS)))
+    assert {r["source_row"]: r for r in recs} == {r["source_row"]: r for r in _records(reference)}
+    again = run(_cfg(tiny_qwen3, prompts_file, out, batch_size=2))
+    assert (again.skipped, again.answered) == (len(PROMPTS), 0)
+    assert out.read_text(encoding="utf-8") == text
+
+
+def test_rerun_with_other_answer_options_is_refused(tiny_qwen3, prompts_file, reference):
+    with pytest.raises(ConfigError, match="--max-new-tokens 12 but this run has 5"):
+        run(_cfg(tiny_qwen3, prompts_file, reference, max_new_tokens=5))
+
+
+def test_sampling_is_seeded(tiny_qwen3, tmp_path):
+    prompts = _write_prompts(tmp_path / "p.jsonl", PROMPTS[:3])
+    answers = []
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        out = tmp_path / f"{name}.jsonl"
+        run(_cfg(tiny_qwen3, prompts, out, temperature=1.0, seed=seed, max_new_tokens=8))
+        answers.append([r["messages"][-1]["content"] for r in _records(out)])
+    assert answers[0] == answers[1]
+    assert answers[0] != answers[2]
+
+
+def test_plain_text_prompts(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("first prompt\n\n  second prompt  \nthird\n", encoding="utf-8")
+    prompts = read_prompts(path)
+    assert [(p.row, p.line, p.messages[0]["content"]) for p in prompts] == [
+        (0, 1, "first prompt"),
+        (1, 3, "second prompt"),
+        (2, 4, "third"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "bad, found",
+    [
+        ('{"prompt": "ok"', "invalid JSON"),
+        ('{"text": "no prompt key"}', "keys [text]"),
+        ('{"prompt": ""}', "non-empty string"),
+        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}', "the user's"),
+        ('{"messages": [{"role": "robot", "content": "q"}]}', "'robot'"),
+        ("[1, 2]", "a JSON list"),
+    ],
+)
+def test_bad_prompt_row_is_reported_with_its_line(tmp_path, bad, found):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n' + bad + "\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"line 3: expected .*" + re.escape(found)):
+        read_prompts(path)
+
+
+def test_cli_reports_a_bad_prompts_file_in_one_line(tiny_qwen3, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"prompt": 3}\n', encoding="utf-8")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash.cli", "generate", "--model", str(tiny_qwen3), "--prompts", str(path),
+         "--out", str(tmp_path / "o.jsonl")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--prompts {path} line 2: expected prompt to be a non-empty string" in lines[0]
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_vllm_backend_without_vllm_is_a_clear_error(tiny_qwen3, prompts_file, tmp_path):
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("vllm is installed here")
+    with pytest.raises(ConfigError, match="pip install vllm"):
+        run(_cfg(tiny_qwen3, prompts_file, tmp_path / "o.jsonl", backend="vllm"))

@@ -139,15 +139,16 @@ def _arrow_rows(path: Path) -> Iterator[dict[str, Any]]:
         raise InputError(f"--data {path}: reading Parquet/Arrow needs pyarrow; run `pip install pyarrow`") from None
     try:
         if path.suffix.lower() == ".parquet":
-            batches = pq.ParquetFile(path).iter_batches(batch_size=4096)
-        else:
-            with pa.memory_map(str(path)) as src:
-                try:
-                    batches = list(pa.ipc.open_stream(src))
-                except pa.ArrowInvalid:
-                    batches = list(pa.ipc.open_file(src).iter_batches())
-        for batch in batches:
-            yield from batch.to_pylist()
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+                yield from batch.to_pylist()
+            return
+        with pa.memory_map(str(path)) as src:
+            try:
+                table = pa.ipc.open_stream(src).read_all()
+            except pa.ArrowInvalid:
+                table = pa.ipc.open_file(src).read_all()
+            rows = table.to_pylist()  # while the map is open: the table's buffers live in it
+        yield from rows
     except (pa.ArrowException, OSError) as e:
         raise InputError(f"--data {path}: not a readable {path.suffix[1:]} file ({e}); re-export it") from None
 
@@ -166,6 +167,8 @@ def normalise(rec: Any) -> list[dict[str, str]]:
         raise rec
     if not isinstance(rec, dict):
         raise _BadRow("unknown_shape", f"a {type(rec).__name__}, expected an object")
+    # Parquet/Arrow give every row every column of the file, None where a row lacks one.
+    rec = {k: v for k, v in rec.items() if v is not None}
     if "messages" in rec or "conversations" in rec:
         sharegpt = "messages" not in rec
         turns = rec["conversations"] if sharegpt else rec["messages"]

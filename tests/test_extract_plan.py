@@ -1,0 +1,69 @@
+"""Shard plans and batch packing: pure functions, checked over sizes and seeds."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash.errors import ConfigError, InputError
+from dflash.extract.header import estimate_tokens_per_row, resolve_layers, resolve_mask_token
+from dflash.extract.plan import default_shard_size, pack_batches, padding_fraction, shard_ranges
+
+
+@pytest.mark.parametrize("num_rows", [0, 1, 7, 100, 1001])
+@pytest.mark.parametrize("shard_size", [1, 3, 64, 5000])
+def test_shard_ranges_cover_every_row_once(num_rows, shard_size):
+    ranges = shard_ranges(num_rows, shard_size)
+    rows = [r for a, b in ranges for r in range(a, b)]
+    assert rows == list(range(num_rows))
+    assert all(0 < b - a <= shard_size for a, b in ranges)
+
+
+def test_default_shard_size_is_about_two_gb():
+    # Qwen3-8B: 5 layers x 4096 x 2 bytes per token; 1,500-token rows -> ~35 rows per 2 GiB.
+    n = default_shard_size(1500, 5 * 4096 * 2)
+    assert 30 <= n <= 40
+    assert default_shard_size(1e9, 10) == 1
+
+
+@given(
+    lengths=st.lists(st.integers(1, 512), min_size=0, max_size=80),
+    budget=st.integers(512, 4096),
+)
+@settings(max_examples=60, deadline=None)
+def test_pack_batches_places_every_sample_once_within_budget(lengths, budget):
+    batches = pack_batches(lengths, budget)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) * max(lengths[i] for i in b) <= budget
+        assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
+    assert pack_batches(lengths, budget) == batches  # deterministic
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_padding_stays_under_two_percent_on_realistic_shards(seed):
+    rng = random.Random(seed)
+    lengths = [min(4096, max(32, int(rng.lognormvariate(7.1, 0.8)))) for _ in range(40)]
+    batches = pack_batches(lengths, 32768)
+    assert padding_fraction(lengths, batches) < 0.02
+
+
+def test_pack_batches_refuses_oversized_samples():
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_batches([10, 600], 512)
+
+
+def test_layers_and_mask_token_resolution():
+    assert resolve_layers(None, 36) == [1, 9, 17, 25, 33]
+    assert resolve_layers((2, 4), 8) == [2, 4]
+    with pytest.raises(ConfigError, match="decoder layers 0..7"):
+        resolve_layers((2, 9), 8)
+    assert resolve_mask_token(151936, 151669, None, "m") == 151669
+    assert resolve_mask_token(100, 100, 7, "m") == 7
+    with pytest.raises(InputError, match="pass --mask-token-id"):
+        resolve_mask_token(100, 100, None, "m")
+    with pytest.raises(ConfigError, match="outside the target's embedding rows"):
+        resolve_mask_token(100, 90, 100, "m")
+    assert estimate_tokens_per_row([], 100) == 1.0

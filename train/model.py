@@ -254,7 +254,11 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(n_feat * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(cfg.qwen3_config())  # inv_freq is a non-persistent buffer
+        # RoPE frequencies stay an fp32 plain attribute, not a buffer: model.to(bfloat16) must not round them
+        # (inference engines keep them in fp32). transformers computes them, so every rope_type is handled.
+        with torch.device("cpu"):  # real numbers even when the model is built on the meta device
+            rope = Qwen3RotaryEmbedding(cfg.qwen3_config())
+        self._inv_freq, self._rope_scale = rope.inv_freq.float().clone(), float(rope.attention_scaling)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -267,8 +271,9 @@ class DFlashDrafter(nn.Module):
                 m.weight.fill_(1.0)
 
     def _rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rotary_emb(like, positions[None])
-        return cos[0], sin[0]
+        freqs = positions.float()[:, None] * self._inv_freq.to(positions.device)[None]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self._rope_scale).to(like.dtype), (emb.sin() * self._rope_scale).to(like.dtype)
 
     def forward(self, features: torch.Tensor, ctx_pos: torch.Tensor, block_embeds: torch.Tensor,
                 block_pos: torch.Tensor, attend: Attend) -> torch.Tensor:

@@ -1,0 +1,201 @@
+"""Export a trained drafter as the Hugging Face folder DFlash inference loads, and load such a folder back."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import InputError
+from .model import DFlashDrafter, DrafterConfig
+
+__all__ = [
+    "CHECKPOINT_WEIGHTS",
+    "CHECKPOINT_CONFIG",
+    "save_checkpoint_files",
+    "find_checkpoint",
+    "export_config",
+    "export_drafter",
+    "load_drafter",
+]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_WEIGHTS = "model.safetensors"
+CHECKPOINT_CONFIG = "drafter_config.json"
+_STEP = re.compile(r"^step-(\d+)$")
+# Wrappers (DDP, torch.compile, FSDP) prefix parameter names; the export carries the bare names.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / CHECKPOINT_WEIGHTS).is_file() and (folder / CHECKPOINT_CONFIG).is_file()
+
+
+def find_checkpoint(run: str | os.PathLike) -> Path:
+    """Return the checkpoint folder to export: `run` itself if it is one, else the newest complete step-NNNNNN."""
+    run = Path(run)
+    if _is_complete(run):
+        return run
+    ckpts = run / "checkpoints"
+    steps = sorted(
+        (int(m.group(1)), p) for p in (ckpts.iterdir() if ckpts.is_dir() else ()) if (m := _STEP.match(p.name))
+    )
+    for _, folder in reversed(steps):
+        if _is_complete(folder):
+            return folder
+        log.warning("%s is incomplete (no %s or %s); trying an older one", folder, CHECKPOINT_WEIGHTS, CHECKPOINT_CONFIG)
+    raise InputError(
+        f"--run {run}: expected {CHECKPOINT_WEIGHTS} and {CHECKPOINT_CONFIG} there or in {ckpts}/step-NNNNNN/, "
+        f"found {len(steps)} step folder(s) and none complete; run `dflash train --out {run}` (with --resume) first"
+    )
+
+
+def export_config(cfg: DrafterConfig) -> dict[str, Any]:
+    """Return config.json of an export: the Qwen3 fields plus what DFlash inference reads."""
+    out = cfg.qwen3_config().to_dict()
+    for key in ("transformers_version", "_name_or_path", "id2label", "label2id"):
+        out.pop(key, None)
+    out.update(
+        architectures=["DFlashDraftModel"],
+        block_size=cfg.block_size,
+        num_target_layers=cfg.num_target_layers,
+        dflash_config={"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id},
+        layer_types=list(cfg.layer_types),
+        sliding_window=cfg.sliding_window,
+        # The block is bidirectional in every layer, sliding ones too; the reference makes sliding layers causal
+        # unless the config says otherwise, so say it.
+        is_causal=False,
+        dtype="bfloat16",
+        torch_dtype="bfloat16",
+    )
+    return out
+
+
+def config_from_export(data: dict[str, Any]) -> DrafterConfig:
+    """Return the DrafterConfig of an exported config.json."""
+    try:
+        dflash = data["dflash_config"]
+        rope = data.get("rope_parameters") or {"rope_type": "default", "rope_theta": data.get("rope_theta", 1e4)}
+        return DrafterConfig(
+            hidden_size=data["hidden_size"], intermediate_size=data["intermediate_size"],
+            num_hidden_layers=data["num_hidden_layers"], num_attention_heads=data["num_attention_heads"],
+            num_key_value_heads=data["num_key_value_heads"], head_dim=data["head_dim"], vocab_size=data["vocab_size"],
+            rms_norm_eps=data["rms_norm_eps"], rope_parameters=dict(rope),
+            max_position_embeddings=data["max_position_embeddings"], hidden_act=data.get("hidden_act", "silu"),
+            block_size=data["block_size"], target_layer_ids=tuple(dflash["target_layer_ids"]),
+            num_target_layers=data["num_target_layers"], mask_token_id=dflash["mask_token_id"],
+            layer_types=tuple(data.get("layer_types") or ()), sliding_window=data.get("sliding_window"),
+        )
+    except KeyError as e:
+        raise InputError(f"exported config.json has no {e}; re-export with `dflash export`") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: cannot read JSON ({e}); re-export or pick another checkpoint") from None
+
+
+def _state_dict(folder: Path, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """Return the weights of a checkpoint or export with bare names, checked against the drafter's own names."""
+    from safetensors.torch import load_file
+
+    raw = load_file(str(folder / CHECKPOINT_WEIGHTS))
+    sd = {}
+    for name, t in raw.items():
+        for prefix in _WRAPPER_PREFIXES:
+            name = name.removeprefix(prefix)
+        sd[name] = t
+    with torch.device("meta"):
+        expected = DFlashDrafter(cfg).state_dict()
+    missing, extra = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
+    if missing or extra:
+        raise InputError(
+            f"{folder / CHECKPOINT_WEIGHTS}: expected the drafter's {len(expected)} tensors, found {len(sd)} "
+            f"(missing {missing[:3]}, unexpected {extra[:3]}); it does not match {CHECKPOINT_CONFIG}, pick another checkpoint"
+        )
+    bad = [n for n in expected if tuple(sd[n].shape) != tuple(expected[n].shape)]
+    if bad:
+        raise InputError(f"{folder / CHECKPOINT_WEIGHTS}: tensor {bad[0]} has shape {tuple(sd[bad[0]].shape)}, "
+                         f"expected {tuple(expected[bad[0]].shape)} from its config; pick another checkpoint")
+    return sd
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint_files(model: torch.nn.Module, folder: str | os.PathLike) -> Path:
+    """Write a drafter's weights (model.safetensors, bare names) and drafter_config.json into folder; return it.
+
+    Each file is written atomically (temp, fsync, rename), the config last. A DDP or compiled wrapper is fine.
+    """
+    from safetensors.torch import save
+
+    inner = model
+    while hasattr(inner, "module") or hasattr(inner, "_orig_mod"):
+        inner = getattr(inner, "module", None) or getattr(inner, "_orig_mod")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().contiguous().cpu() for k, v in inner.state_dict().items()}
+    _write_atomic(folder / CHECKPOINT_WEIGHTS, save(sd, metadata={"format": "pt"}))
+    _write_atomic(folder / CHECKPOINT_CONFIG, (json.dumps(inner.config.to_dict(), indent=2) + "\n").encode())
+    return folder
+
+
+def export_drafter(run: str | os.PathLike, out: str | os.PathLike, *, remote_code: bool = False) -> Path:
+    """Write the newest complete checkpoint of a run (or a checkpoint folder) as an HF folder; return out.
+
+    out gets model.safetensors (bf16; exactly layers.*, fc.weight, hidden_norm.weight, norm.weight) and, written
+    last, config.json. With remote_code, also modeling_dflash.py and an auto_map for trust_remote_code loading.
+    """
+    from safetensors.torch import save
+
+    ckpt = find_checkpoint(run)
+    cfg = DrafterConfig.from_dict(_read_json(ckpt / CHECKPOINT_CONFIG))
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(_state_dict(ckpt, cfg).items())}
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out}: exists and is not a folder; pass a new folder path")
+    out.mkdir(parents=True, exist_ok=True)
+    # config.json goes last: a folder with it is a finished export.
+    (out / "config.json").unlink(missing_ok=True)
+    _write_atomic(out / "model.safetensors", save(sd, metadata={"format": "pt", "source": str(ckpt)}))
+    config = export_config(cfg)
+    if remote_code:
+        from .remote_code import write_modeling_file
+
+        write_modeling_file(out, _write_atomic)
+        config["auto_map"] = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    _write_atomic(out / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    log.info("exported %s (%d tensors) to %s", ckpt, len(sd), out)
+    return out
+
+
+def load_drafter(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str = "cpu") -> DFlashDrafter:
+    """Return the drafter of an export folder (config.json) or a checkpoint folder (drafter_config.json)."""
+    path = Path(path)
+    if (path / CHECKPOINT_CONFIG).is_file():
+        cfg = DrafterConfig.from_dict(_read_json(path / CHECKPOINT_CONFIG))
+    elif (path / "config.json").is_file():
+        cfg = config_from_export(_read_json(path / "config.json"))
+    else:
+        raise InputError(f"{path}: expected config.json (an export) or {CHECKPOINT_CONFIG} (a checkpoint), found "
+                         "neither; run `dflash export --run RUN --out DIR`")
+    sd = _state_dict(path, cfg)
+    with torch.device("meta"):  # no throwaway random init of a billion parameters
+        model = DFlashDrafter(cfg)
+    model.load_state_dict(sd, assign=True)
+    return model.to(device=device, dtype=dtype or next(iter(sd.values())).dtype)

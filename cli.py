@@ -192,9 +192,14 @@ def eval_(**opts: Any) -> None:
 
 @cli.command()
 @config_option
-def export(**opts: Any) -> None:
+@click.option("--run", required=True, help="Run folder of `dflash train` (newest complete checkpoint) or a checkpoint folder.")
+@click.option("--out", required=True, help="Folder to write: config.json + model.safetensors (bf16).")
+@click.option("--remote-code", is_flag=True, help="Also write modeling_dflash.py + auto_map for trust_remote_code.")
+def export(run: str, out: str, remote_code: bool) -> None:
     """Export a trained drafter as a Hugging Face folder the DFlash inference code loads."""
-    _not_built("export", "it arrives with the drafter issue")
+    from .train.export import export_drafter
+
+    click.echo(str(export_drafter(run, out, remote_code=remote_code)))
 
 
 @cli.command()

@@ -1,0 +1,179 @@
+"""`dflash extract` end to end on tiny targets: stored features == the full model's, bad rows, mismatches, ENOSPC."""
+from __future__ import annotations
+
+import errno
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.config import ExtractConfig
+from dflash.errors import InputError, ManifestMismatch, StoreError
+from dflash.extract import run
+from dflash.storage import Store
+
+BAD_ROWS = {3: "malformed_json", 8: "unknown_role", 13: "empty_content"}
+
+
+def write_conversations(path: Path, n: int, seed: int = 0, bad: dict[int, str] = BAD_ROWS) -> Path:
+    """Write n rows of JSONL in the three shapes (short, so a CPU run takes seconds), with bad rows where asked."""
+    rng = random.Random(seed)
+    words = "the a model token layer block draft target cache shard store verify batch length".split()
+
+    def text(k: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(k))
+
+    lines = []
+    for i in range(n):
+        kind = rng.choice(["messages", "sharegpt", "alpaca"])
+        if bad.get(i) == "malformed_json":
+            lines.append('{"messages": [{"role": "user"')
+            continue
+        if bad.get(i) == "unknown_role":
+            rec = {"messages": [{"role": "narrator", "content": text(3)}, {"role": "assistant", "content": text(9)}]}
+        elif bad.get(i) == "empty_content":
+            rec = {"messages": [{"role": "user", "content": text(3)}, {"role": "assistant", "content": ""}]}
+        elif kind == "messages":
+            rec = {"messages": []}
+            for _ in range(rng.randint(1, 2)):
+                rec["messages"] += [
+                    {"role": "user", "content": text(rng.randint(2, 8))},
+                    {"role": "assistant", "content": text(rng.randint(4, 16))},
+                ]
+        elif kind == "sharegpt":
+            rec = {"conversations": [{"from": "human", "value": text(4)}, {"from": "gpt", "value": text(rng.randint(4, 14))}]}
+        else:
+            rec = {"instruction": text(4), "input": text(rng.randint(0, 3)), "output": text(rng.randint(4, 14))}
+        lines.append(json.dumps(rec))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def extract_config(model: Path, data: Path, out: Path, **over) -> ExtractConfig:
+    """Return a small CPU config: fp32 (fast and exact on CPU), shards of 4 rows, short samples."""
+    opts = dict(
+        model=str(model), data=(str(data),), out=str(out), gpus="cpu", shard_size=4, batch_tokens=1024,
+        max_length=256, min_loss_tokens=4, dtype="float32",
+    )
+    opts.update(over)
+    return ExtractConfig(**opts)
+
+
+def store_samples(url: str | Path) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Return {source row: (input_ids, loss_mask, feature bits)} over every committed shard; duplicates fail."""
+    store = Store.open(str(url))
+    out: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    for sid in store.committed_ids():
+        d = store.read_shard(sid)
+        bits = d.features.view(torch.int16).numpy()
+        for k, row in enumerate(d.sample_ids.tolist()):
+            a, b = int(d.offsets[k]), int(d.offsets[k + 1])
+            assert row not in out, f"row {row} stored twice"
+            out[row] = (np.asarray(d.input_ids[a:b]), np.asarray(d.loss_mask[a:b]), bits[a:b].copy())
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    return write_conversations(tmp_path_factory.mktemp("data") / "conv.jsonl", 18)
+
+
+@pytest.mark.parametrize("target, dtype", [("tiny_qwen3", "float32"), ("tiny_llama", "bfloat16")])
+def test_stored_features_equal_the_full_model_on_each_sample(target, dtype, data_file, tmp_path, request):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.extract.data import read_rows
+    from dflash.extract.template import ChatEncoder
+
+    model_dir = request.getfixturevalue(target)
+    cfg = extract_config(model_dir, data_file, tmp_path / "store", dtype=dtype, layers=(1, 4, 6))
+    summary = run(cfg)
+    store = Store.open(cfg.out)
+    assert store.is_complete() and store.header["layer_ids"] == [1, 4, 6]
+    full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    encoder = ChatEncoder(tok, tok.chat_template, cfg.max_length)
+    rows = read_rows(cfg.data)
+    stored = store_samples(cfg.out)
+    assert sorted(stored) == [r.index for r in rows if r.error is None]
+    assert summary["samples"] == len(stored) and summary["dropped"] == {v: 1 for v in BAD_ROWS.values()}
+    for row, (ids, mask, bits) in stored.items():
+        enc = encoder.encode(rows[row].messages)
+        assert ids.tolist() == enc.input_ids.tolist() and mask.tolist() == enc.loss_mask.tolist()
+        with torch.no_grad():
+            hs = full(input_ids=torch.as_tensor(ids, dtype=torch.long)[None], output_hidden_states=True).hidden_states
+        want = torch.stack([hs[i + 1][0] for i in (1, 4, 6)], dim=1).float()
+        got = torch.from_numpy(bits).view(torch.bfloat16).float()
+        if dtype == "float32":
+            # Batching moves fp32 results by ~1e-6, so each value is at most one bf16 rounding step away.
+            assert ((got - want).abs() <= 2.0**-7 * want.abs() + 1e-6).all(), f"row {row}: beyond bf16 rounding"
+        else:
+            # bf16 compute rounds differently for other batch shapes; the error stays at bf16's relative level.
+            rel = (got - want).norm() / want.norm()
+            assert rel < 1e-2, f"row {row}: relative error {rel:.3g} is beyond bf16 accumulation"
+
+
+def test_bad_rows_reported_with_row_numbers_and_strict_stops(data_file, tiny_qwen3, tmp_path, caplog):
+    caplog.set_level("WARNING")
+    summary = run(extract_config(tiny_qwen3, data_file, tmp_path / "a"))
+    assert summary["dropped_rows"] == {reason: [row] for row, reason in BAD_ROWS.items()}
+    assert "row 3 (" in caplog.text and "malformed_json" in caplog.text
+    with pytest.raises(InputError, match=r"conv.jsonl:4: bad row \(malformed_json"):
+        run(extract_config(tiny_qwen3, data_file, tmp_path / "b", strict=True))
+
+
+def test_changed_options_are_refused_naming_the_field(data_file, tiny_qwen3, tiny_llama, tmp_path):
+    out = tmp_path / "store"
+    run(extract_config(tiny_qwen3, data_file, out, shard_size=9))
+    with pytest.raises(ManifestMismatch, match="max_length: store has 256, asked for 128"):
+        run(extract_config(tiny_qwen3, data_file, out, shard_size=9, max_length=128))
+    with pytest.raises(ManifestMismatch, match="layer_ids"):
+        run(extract_config(tiny_qwen3, data_file, out, shard_size=9, layers=(1, 2)))
+    with pytest.raises(ManifestMismatch, match="codec"):
+        run(extract_config(tiny_qwen3, data_file, out, shard_size=9, codec="none"))
+    with pytest.raises(ManifestMismatch, match="target.path"):
+        run(extract_config(tiny_llama, data_file, out, shard_size=9))
+    other = write_conversations(tmp_path / "other.jsonl", 18, seed=1)
+    with pytest.raises(ManifestMismatch, match="dataset.fingerprint"):
+        run(extract_config(tiny_qwen3, other, out, shard_size=9))
+    # The same options resume (nothing left to do) and report the same totals.
+    assert run(extract_config(tiny_qwen3, data_file, out, shard_size=9))["samples"] == 15
+
+
+def test_vocabulary_without_a_spare_row_needs_mask_token_id(data_file, tmp_path):
+    from dflash.testing import build_tiny_target
+
+    model = build_tiny_target(tmp_path / "full-vocab", "llama", num_layers=4, spare_vocab=0)
+    with pytest.raises(InputError, match="pass --mask-token-id"):
+        run(extract_config(model, data_file, tmp_path / "s", layers=(1, 2)))
+    run(extract_config(model, data_file, tmp_path / "s", layers=(1, 2), mask_token_id=3))
+    assert Store.open(str(tmp_path / "s")).header["mask_token_id"] == 3
+
+
+def test_disk_full_stops_cleanly_and_committed_shards_stay_valid(data_file, tiny_qwen3, tmp_path, monkeypatch):
+    from dflash.storage import fs as storage_fs
+
+    real = storage_fs.LocalFS.write_file
+    calls = {"n": 0}
+
+    def filling_disk(self, rel, data):
+        calls["n"] += 1
+        if calls["n"] > 12:  # the disk fills up after a few chunk files
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, rel, data)
+
+    monkeypatch.setattr(storage_fs.LocalFS, "write_file", filling_disk)
+    cfg = extract_config(tiny_qwen3, data_file, tmp_path / "store")
+    with pytest.raises(StoreError, match="disk full .*rerun the same command to resume"):
+        run(cfg)
+    store = Store.open(cfg.out)
+    done = store.committed_ids()
+    assert 0 < len(done) < store.num_shards
+    assert all(store.verify(s) == [] for s in done)
+    monkeypatch.setattr(storage_fs.LocalFS, "write_file", real)
+    run(cfg)
+    assert Store.open(cfg.out).is_complete()
+    assert len(store_samples(cfg.out)) == 15

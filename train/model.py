@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -211,19 +210,18 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_x: tuple, rope_ctx: tuple, attend: Attend,
-                index: int) -> torch.Tensor:
-        """Return the attention output [Q, H] of block tokens x [Q, H] over keys of [ctx [N, H] ; x]."""
+    def project(self, x: torch.Tensor, ctx: torch.Tensor, cos_x: torch.Tensor, sin_x: torch.Tensor,
+                cos_c: torch.Tensor, sin_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return q [1, heads, Q, d] of block tokens x [Q, H], and k, v [1, kv_heads, N + Q, d] of [ctx ; x]."""
         d = self.head_dim
         q = self.q_norm(self.q_proj(x).view(-1, self.heads, d))
         # The context and block keys share k_proj/k_norm; RoPE uses each token's own position.
         k_ctx = self.k_norm(self.k_proj(ctx).view(-1, self.kv_heads, d))
         k_x = self.k_norm(self.k_proj(x).view(-1, self.kv_heads, d))
         v = torch.cat([self.v_proj(ctx), self.v_proj(x)], 0).view(-1, self.kv_heads, d)
-        q = apply_rope(q.transpose(0, 1), *rope_x)
-        k = torch.cat([apply_rope(k_ctx.transpose(0, 1), *rope_ctx), apply_rope(k_x.transpose(0, 1), *rope_x)], 1)
-        out = attend(index, q[None], k[None], v.transpose(0, 1)[None])  # [1, heads, Q, d]
-        return self.o_proj(out[0].transpose(0, 1).reshape(x.shape[0], self.heads * d))
+        q = apply_rope(q.transpose(0, 1), cos_x, sin_x)
+        k = torch.cat([apply_rope(k_ctx.transpose(0, 1), cos_c, sin_c), apply_rope(k_x.transpose(0, 1), cos_x, sin_x)], 1)
+        return q[None], k[None], v.transpose(0, 1)[None]
 
 
 class DrafterLayer(nn.Module):
@@ -236,11 +234,29 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
+    def pre(self, x: torch.Tensor, ctx: torch.Tensor, cos_x: torch.Tensor, sin_x: torch.Tensor,
+            cos_c: torch.Tensor, sin_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return q, k, v of the layer's attention; the context is used as given (not re-normed)."""
+        return self.self_attn.project(self.input_layernorm(x), ctx, cos_x, sin_x, cos_c, sin_c)
+
+    def post(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Return the layer's output from its input x [Q, H] and the attention result [1, heads, Q, d]."""
+        x = x + self.self_attn.o_proj(attn[0].transpose(0, 1).reshape(x.shape[0], -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_x: tuple, rope_ctx: tuple, attend: Attend,
                 index: int) -> torch.Tensor:
-        """Return the layer's output for block tokens x [Q, H]; the context is used as given (not re-normed)."""
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_x, rope_ctx, attend, index)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """Return the layer's output for block tokens x [Q, H] attending to [ctx ; x] through `attend`."""
+        q, k, v = self.pre(x, ctx, *rope_x, *rope_ctx)
+        return self.post(x, attend(index, q, k, v))
+
+    def compile_parts(self) -> None:
+        """Compile the parts around attention (norms, projections, RoPE, MLP) to fuse their elementwise work.
+
+        Attention stays outside: its mask changes every step, and flex_attention is compiled on its own.
+        """
+        self.pre = torch.compile(self.pre, dynamic=None)
+        self.post = torch.compile(self.post, dynamic=None)
 
 
 class DFlashDrafter(nn.Module):
@@ -292,10 +308,11 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, rope_x, rope_ctx, attend, i)
         return self.norm(x)
 
-    @property
-    def scale(self) -> float:
-        """Return the attention softmax scale 1/sqrt(head_dim)."""
-        return 1.0 / math.sqrt(self.config.head_dim)
+    def compile_layers(self) -> "DFlashDrafter":
+        """Compile every layer's non-attention parts (see DrafterLayer.compile_parts); return self."""
+        for layer in self.layers:
+            layer.compile_parts()
+        return self
 
 
 def _sdpa_attend(masks: list[torch.Tensor | None]) -> Attend:

@@ -1,0 +1,170 @@
+"""Benchmark the drafter's training step on one GPU: step time, query tokens/s, MFU, flex vs SDPA, peak memory.
+
+    source bench/device_env.sh && python3 bench/drafter.py            # Qwen3-8B-sized 5-layer drafter
+    python3 bench/drafter.py --check-only                               # flex == SDPA on a small batch only
+
+Default workload (issue 5): 4 sequences x 4096 context tokens x 512 anchors x B=16, forward + backward, bf16,
+random weights (nothing is downloaded). FLOPs are counted from the shapes: the drafter layers and attention at
+3x forward, fc at 2x (no input gradient), the frozen lm_head at 2x (forward + input gradient).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+import torch
+
+from dflash.facts import build_target_layer_ids
+from dflash.testing import QWEN3_8B_CONFIG
+from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.objective import PackedBatch, drafter_loss, pack_batch
+
+log = logging.getLogger(__name__)
+
+H200_BF16_PEAK = 989.5e12  # dense bf16 tensor-core FLOP/s of an H200 SXM
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_flops(cfg: DrafterConfig, batch: PackedBatch) -> dict[str, float]:
+    """Return the FLOPs of one forward + backward, by part, counted from the shapes of the batch."""
+    H, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    hq, hkv, L = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_hidden_layers
+    Q = batch.num_blocks * cfg.block_size
+    N = batch.ctx_pos.shape[0]
+    rows = int((batch.weights[:, 1:] > 0).sum())
+    keys = float((batch.anchor_pos + cfg.block_size).sum()) * cfg.block_size  # visible keys summed over queries
+    per_layer_block = 2 * Q * (H * hq + 2 * H * hkv + hq * H + 3 * H * I)
+    per_layer_ctx = 2 * N * (2 * H * hkv)
+    attn = 4 * keys * hq  # QK^T and PV over the visible keys only
+    return {
+        "layers": 3 * L * (per_layer_block + per_layer_ctx),
+        "attention": 3 * L * attn,
+        "fc": 2 * 2 * N * len(cfg.target_layer_ids) * H * H,
+        "lm_head": 2 * 2 * rows * H * cfg.vocab_size,
+    }
+
+
+def make_sequences(cfg: DrafterConfig, n: int, T: int, device: torch.device, seed: int) -> list[dict]:
+    """Return n random sequences of T tokens (loss mask on the last 90%) with bf16 features on device."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        mask = torch.ones(T, dtype=torch.bool)
+        mask[: T // 10] = False  # a prompt the loss ignores, as in chat data
+        out.append(dict(
+            input_ids=torch.randint(0, 151000, (T,), generator=g),
+            loss_mask=mask,
+            features=torch.randn(T, len(cfg.target_layer_ids), cfg.hidden_size, generator=g).to(device, torch.bfloat16),
+        ))
+    return out
+
+
+def check_flex_against_sdpa(device: torch.device) -> dict[str, float]:
+    """Return the largest flex-vs-SDPA differences (loss, gradients) on a small bf16 and fp32 drafter."""
+    res = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        cfg = DrafterConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, vocab_size=1000, block_size=16, mask_token_id=999,
+                            layer_types=("sliding_attention", "full_attention"), sliding_window=96)
+        torch.manual_seed(0)
+        model = DFlashDrafter(cfg).to(device, dtype)
+        embed = torch.randn(1000, 256, device=device, dtype=dtype)
+        head = torch.randn(1000, 256, device=device, dtype=dtype) * 0.05
+        seqs = []
+        for T in (700, 130, 400):
+            s = make_sequences(cfg, 1, T, device, seed=T)[0]
+            s["input_ids"] = s["input_ids"] % 990
+            s["features"] = s["features"][..., :256].to(dtype)
+            seqs.append(s)
+        batch = pack_batch(seqs, block_size=16, mask_token_id=999, max_anchors=64, seed=0)
+        grads, losses = {}, {}
+        for kind in ("sdpa", "flex"):
+            model.zero_grad()
+            loss, m = drafter_loss(model, batch, embed, head, attention=kind)
+            loss.backward()
+            losses[kind] = float(loss)
+            grads[kind] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
+        name = str(dtype).split(".")[-1]
+        res[f"{name}_loss_sdpa"] = losses["sdpa"]
+        res[f"{name}_loss_flex"] = losses["flex"]
+        res[f"{name}_grad_rel_diff"] = float((grads["sdpa"] - grads["flex"]).norm() / grads["sdpa"].norm())
+    return res
+
+
+def bench(attention: str, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Return timing, throughput, MFU and peak memory of forward + backward steps with one attention path."""
+    cfg = DrafterConfig.from_target(dict(QWEN3_8B_CONFIG), target_layer_ids=build_target_layer_ids(36),
+                                    mask_token_id=151669, draft_layers=args.layers, block_size=args.block_size)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg).to(device, torch.bfloat16)
+    attention, _, compiled = attention.partition("+")
+    if compiled:
+        model.compile_layers()
+    embed = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=device) * 0.02).to(torch.bfloat16)
+    head = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=device) * 0.02).to(torch.bfloat16)
+    seqs = make_sequences(cfg, args.seqs, args.ctx, device, seed=1)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, flops, queries = [], [], []
+    for step in range(args.warmup + args.steps):
+        batch = pack_batch(seqs, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                           max_anchors=args.anchors, seed=step)
+        _sync(device)
+        t0 = time.perf_counter()
+        loss, _ = drafter_loss(model, batch, embed, head, attention=attention)
+        loss.backward()
+        _sync(device)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            flops.append(sum(step_flops(cfg, batch).values()))
+            queries.append(batch.num_blocks * cfg.block_size)
+        model.zero_grad(set_to_none=True)
+    t = sum(times) / len(times)
+    parts = step_flops(cfg, batch)
+    return {
+        "attention": attention + ("+compile" if compiled else ""),
+        "step_s": t,
+        "query_tokens_per_s": sum(queries) / sum(times),
+        "tflop_per_step": sum(flops) / len(flops) / 1e12,
+        "tflop_parts": {k: v / 1e12 for k, v in parts.items()},
+        "mfu": sum(flops) / sum(times) / H200_BF16_PEAK,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqs", type=int, default=4)
+    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--attention", default="flex+compile,flex,sdpa", help="comma-separated; +compile compiles the layers")
+    p.add_argument("--check-only", action="store_true")
+    p.add_argument("--device", default="cuda", help="cuda; cpu only to try the script on tiny shapes")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(json.dumps({"device": name, "torch": torch.__version__}), flush=True)
+    print(json.dumps({"check_flex_vs_sdpa": check_flex_against_sdpa(device)}), flush=True)
+    if args.check_only:
+        return
+    for kind in args.attention.split(","):
+        try:
+            print(json.dumps(bench(kind, args, device)), flush=True)
+        except Exception as e:  # one failing variant (OOM, compiler) must not hide the others' figures
+            print(json.dumps({"attention": kind, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}),
+                  flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

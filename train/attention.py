@@ -116,6 +116,8 @@ def _flex_attend(batch: "PackedBatch", cfg: "DrafterConfig") -> "Attend":
 
 def make_attend(batch: "PackedBatch", cfg: "DrafterConfig", kind: str = "sdpa") -> "Attend":
     """Return the Attend of a packed batch: "sdpa" (dense boolean mask, portable) or "flex" (CUDA block mask)."""
+    from .model import expand_kv
+
     if kind == "flex":
         return _flex_attend(batch, cfg)
     if kind != "sdpa":
@@ -124,6 +126,7 @@ def make_attend(batch: "PackedBatch", cfg: "DrafterConfig", kind: str = "sdpa") 
     per_layer = [masks[t][None, None] for t in cfg.layer_types]
 
     def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=per_layer[index], enable_gqa=q.shape[1] != k.shape[1])
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=per_layer[index])
 
     return attend

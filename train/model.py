@@ -22,7 +22,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedd
 from ..errors import ConfigError, InputError
 from ..facts import NUM_FEATURE_LAYERS
 
-__all__ = ["DrafterConfig", "DFlashDrafter", "Attend", "layer_types_for", "apply_rope"]
+__all__ = ["DrafterConfig", "DFlashDrafter", "Attend", "layer_types_for", "apply_rope", "expand_kv", "draft_logits"]
 
 log = logging.getLogger(__name__)
 
@@ -315,11 +315,20 @@ class DFlashDrafter(nn.Module):
         return self
 
 
+def expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Return k or v [1, kv_heads, K, d] repeated to [1, heads, K, d] (grouped-query attention).
+
+    Explicit, because SDPA's enable_gqa with a boolean mask falls back to the math kernel on some builds.
+    """
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
 def _sdpa_attend(masks: list[torch.Tensor | None]) -> Attend:
     """Return an Attend that runs SDPA with the boolean mask of each layer (None: every key visible)."""
 
     def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=masks[index], enable_gqa=q.shape[1] != k.shape[1])
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=masks[index])
 
     return attend
 

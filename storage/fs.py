@@ -21,19 +21,57 @@ class StoreFS:
     url: str
     is_local: bool = False
 
-    def exists(self, rel: str) -> bool: ...
-    def read_bytes(self, rel: str) -> bytes: ...
-    def read_into(self, rel: str, buf: memoryview) -> int: ...
-    def size(self, rel: str) -> int: ...
-    def write_file(self, rel: str, data: Any) -> None: ...
-    def write_atomic(self, rel: str, data: bytes) -> None: ...
-    def create_exclusive(self, rel: str, data: bytes) -> bool: ...
-    def listdir(self, rel: str) -> list[str]: ...
-    def rm(self, rel: str) -> bool: ...
-    def rmtree(self, rel: str) -> bool: ...
-    def rename(self, src: str, dst: str) -> bool: ...
-    def makedirs(self, rel: str) -> None: ...
-    def fsync_dir(self, rel: str) -> None: ...
+    def exists(self, rel: str) -> bool:
+        """Return True if the path exists."""
+        raise NotImplementedError
+
+    def read_bytes(self, rel: str) -> bytes:
+        """Return the whole file."""
+        raise NotImplementedError
+
+    def read_into(self, rel: str, buf: memoryview) -> int:
+        """Return how many bytes of the file were read into buf (at most len(buf))."""
+        raise NotImplementedError
+
+    def size(self, rel: str) -> int:
+        """Return the file's size in bytes."""
+        raise NotImplementedError
+
+    def write_file(self, rel: str, data: Any) -> None:
+        """Write (and fsync where possible) a file; not atomic: only commit records must be."""
+        raise NotImplementedError
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        """Replace a file so that readers see the old content or the new, never a mix."""
+        raise NotImplementedError
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Return True if this call created the file, False if it already existed."""
+        raise NotImplementedError
+
+    def listdir(self, rel: str) -> list[str]:
+        """Return the sorted names in a folder ([] if it does not exist)."""
+        raise NotImplementedError
+
+    def rm(self, rel: str) -> bool:
+        """Return True if a file was removed."""
+        raise NotImplementedError
+
+    def rmtree(self, rel: str) -> bool:
+        """Return True if a folder was removed with everything in it."""
+        raise NotImplementedError
+
+    def rename(self, src: str, dst: str) -> bool:
+        """Return True if src was moved to dst, False if src was gone."""
+        raise NotImplementedError
+
+    def makedirs(self, rel: str) -> None:
+        """Create a folder and its parents if missing."""
+        raise NotImplementedError
+
+    def fsync_dir(self, rel: str) -> None:
+        """Make the names in a folder durable (no-op where the backend has no such notion)."""
+        raise NotImplementedError
 
     def display(self, rel: str = "") -> str:
         """Return the full path or URL of a relative path, for messages."""

@@ -22,6 +22,7 @@ __all__ = [
     "check_header",
     "group_metadata",
     "dumps",
+    "record_digest",
 ]
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,13 @@ def parse_id(name: str, suffix: str = "") -> int | None:
 def dumps(obj: Any) -> bytes:
     """Return canonical JSON bytes (sorted keys) so equal content hashes equally."""
     return json.dumps(obj, sort_keys=True, indent=1, allow_nan=False).encode()
+
+
+def record_digest(record: dict) -> str:
+    """Return the xxh3_64 hex digest of a commit record's content without its own digest field."""
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(dumps({k: v for k, v in record.items() if k != "record_xxh3"}))
 
 
 def group_metadata(attributes: dict | None = None) -> dict:

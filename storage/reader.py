@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import CorruptShard
+from ..errors import CorruptShard, StoreError
 from .codec import decode_chunk_into, fp8_to_bf16_bits
 from .fs import StoreFS
-from .layout import FORMAT_VERSION, commit_path, shard_dir
-from .writer import record_digest
+from .layout import FORMAT_VERSION, commit_path, record_digest, shard_dir
 
 if TYPE_CHECKING:
     import torch
@@ -103,6 +102,8 @@ def _read_file(fs: StoreFS, shard_id: int, record: dict, rel: str, into: memoryv
         got = fs.read_into(path, buf)
     except FileNotFoundError:
         raise CorruptShard(f"{fs.display(path)}: shard {shard_id}: chunk file is missing; {fix}") from None
+    except OSError as e:  # permissions, I/O errors: the bytes may be fine, the medium is not
+        raise StoreError(f"{fs.display(path)}: shard {shard_id}: cannot read ({e.strerror or e}); check the disk") from e
     if got != n:
         raise CorruptShard(f"{fs.display(path)}: shard {shard_id}: expected {n} bytes, found {got}; {fix}")
     if verify and xxhash.xxh3_64_hexdigest(buf) != entry["xxh3"]:

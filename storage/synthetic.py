@@ -1,7 +1,11 @@
 """Deterministic synthetic shards for tests and benchmarks: token ids, loss masks and LLM-like bf16 feature bits."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 __all__ = ["activation_bits", "synthetic_sample", "write_synthetic_shard"]
 

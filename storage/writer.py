@@ -13,12 +13,12 @@ import numpy as np
 from ..errors import StoreError
 from . import claims
 from .codec import array_metadata, encode_chunk, feature_dtype, to_fp8
-from .layout import FORMAT_VERSION, commit_path, dumps, group_metadata, shard_dir
+from .layout import FORMAT_VERSION, commit_path, dumps, group_metadata, record_digest, shard_dir
 
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["ShardWriter", "features_to_bits", "record_digest"]
+__all__ = ["ShardWriter", "features_to_bits"]
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,6 @@ def features_to_bits(features: Any) -> np.ndarray:
             f"{getattr(features, 'dtype', '')}"
         )
     return features.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
-
-
-def record_digest(record: dict) -> str:
-    """Return the xxh3_64 hex digest of a commit record's content without its own digest field."""
-    import xxhash
-
-    body = {k: v for k, v in record.items() if k != "record_xxh3"}
-    return xxhash.xxh3_64_hexdigest(dumps(body))
 
 
 class ShardWriter:
@@ -102,9 +94,8 @@ class ShardWriter:
         return self._offsets[-1]
 
     def _new_buffers(self) -> None:
-        shape = (self.chunk_tokens, self.num_layers, self.hidden_size)
-        self._chunk = np.empty(shape, self._dtype)
-        self._scales = np.empty(shape[:2], np.float32) if self._fp8 else None
+        # Always bf16 bits: fp8 quantises whole chunks in the pool.
+        self._chunk = np.empty((self.chunk_tokens, self.num_layers, self.hidden_size), np.uint16)
 
     def append(self, input_ids: Any, loss_mask: Any, features: Any, sample_id: int) -> None:
         """Add one sample: token ids [t], loss mask [t], features bf16 [t, L, H] (tensor or uint16 bits)."""
@@ -126,16 +117,10 @@ class ShardWriter:
         self._masks.append(mask.astype(np.bool_, copy=True))
         self._offsets.append(self._offsets[-1] + t)
         self._sample_ids.append(int(sample_id))
-        if self._fp8:
-            q, s = to_fp8(bits)
-        else:
-            q, s = bits, None
         done = 0
         while done < t:
             n = min(t - done, self.chunk_tokens - self._fill)
-            self._chunk[self._fill : self._fill + n] = q[done : done + n]
-            if s is not None:
-                self._scales[self._fill : self._fill + n] = s[done : done + n]
+            self._chunk[self._fill : self._fill + n] = bits[done : done + n]
             self._fill += n
             done += n
             if self._fill == self.chunk_tokens:
@@ -145,15 +130,14 @@ class ShardWriter:
         # Zarr stores edge chunks whole, so the tail of the last chunk is zero padding.
         if self._fill < self.chunk_tokens:
             self._chunk[self._fill :] = 0
-            if self._scales is not None:
-                self._scales[self._fill :] = 0
         i = self._chunk_index
-        self._submit(f"features/c.{i}.0.0", self._chunk)
-        if self._scales is not None:
-            self._submit(f"feature_scales/c.{i}.0", self._scales)
+        if self._fp8:
+            self._pending.append(self._pool.submit(self._write_fp8_chunk, i, self._chunk))
+        else:
+            self._submit(f"features/c.{i}.0.0", self._chunk)
         self._chunk_index += 1
         self._fill = 0
-        self._new_buffers()  # the pool task owns the old buffers now
+        self._new_buffers()  # the pool task owns the old buffer now
         # Bound the memory held by queued chunks: wait for the oldest once the queue is deep.
         while len(self._pending) > 2 * self._threads:
             self._pending.popleft().result()
@@ -161,11 +145,24 @@ class ShardWriter:
     def _submit(self, rel: str, arr: np.ndarray) -> None:
         self._pending.append(self._pool.submit(self._write_chunk, rel, arr))
 
+    def _write_fp8_chunk(self, i: int, bits: np.ndarray) -> None:
+        # Quantising in the pool keeps append() as cheap as a copy, as for the lossless codecs.
+        q, scales = to_fp8(bits)
+        self._write_chunk(f"features/c.{i}.0.0", q)
+        self._write_chunk(f"feature_scales/c.{i}.0", scales)
+
     def _write_chunk(self, rel: str, arr: np.ndarray) -> None:
         import xxhash
 
         data = encode_chunk(arr, self._compressed)
-        self._fs.write_file(f"{self._dir}/{rel}", data)
+        path = f"{self._dir}/{rel}"
+        try:
+            self._fs.write_file(path, data)
+        except OSError as e:
+            raise StoreError(
+                f"{self._fs.display(path)}: cannot write a chunk ({e.strerror or e}); free space or fix permissions, "
+                "then rerun the same command to resume"
+            ) from e
         # dict item assignment is atomic under the GIL; each key is written by one task.
         self._files[rel] = {"xxh3": xxhash.xxh3_64_hexdigest(data), "bytes": len(memoryview(data).cast("B"))}
 

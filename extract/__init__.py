@@ -11,6 +11,6 @@ __all__ = ["run"]
 
 def run(cfg: "ExtractConfig") -> dict[str, Any]:
     """Return the summary of `dflash extract` run with a validated config (torch is imported only now)."""
-    from .run import run as _run
+    from .orchestrate import run as _run
 
     return _run(cfg)

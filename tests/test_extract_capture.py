@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dflash.extract.capture import TargetRunner, load_target, pad_batch
+from test_extract_run import one_torch_thread  # noqa: F401
 
 LAYERS = [1, 3, 5]
 

@@ -76,6 +76,16 @@ def store_samples(url: str | Path) -> dict[int, tuple[np.ndarray, np.ndarray, np
     return out
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Run torch on one thread: tiny matmuls gain nothing from more, and on a shared 2-core machine OpenMP threads
+    that spin against other processes make a run 50x slower. Subprocesses get OMP_NUM_THREADS=1 likewise."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory) -> Path:
     return write_conversations(tmp_path_factory.mktemp("data") / "conv.jsonl", 18)

@@ -1,0 +1,170 @@
+"""SIGKILL `dflash extract` at random moments, rerun the same command: the store equals an uninterrupted run's.
+Also: two `dflash extract` processes on one store share the shards without overlap."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash.extract import run
+from dflash.storage import Store
+from test_extract_run import extract_config, one_torch_thread, store_samples, write_conversations  # noqa: F401
+
+# A fresh interpreter that pays the torch/transformers import once, then forks one real `dflash extract` per request
+# (its main(), argv and all) and reports the child's pid and later its wait status. No torch op runs before the
+# fork, so the children start clean; each is killed with a real SIGKILL.
+_LAUNCHER = r"""
+import json, os, sys
+import torch, transformers
+from transformers.models.qwen3 import modeling_qwen3  # noqa: F401  (lazy modules resolved before forking)
+from transformers import AutoModelForCausalLM, AutoTokenizer, AutoConfig  # noqa: F401
+import dflash.cli, dflash.storage, dflash.extract.orchestrate, dflash.extract.worker, dflash.extract.pipeline  # noqa: F401
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            dflash.cli.main(json.loads(line))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        os._exit(code)
+    print(pid, flush=True)
+    print(os.waitpid(pid, 0)[1], flush=True)
+"""
+
+
+_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the one_torch_thread fixture does in this process
+
+
+class Launcher:
+    """Starts `dflash extract` runs as forks of one warm interpreter; see _LAUNCHER."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_ENV,
+        )
+
+    def start(self, argv: list[str]) -> int:
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
+
+    def finished(self, timeout: float = 0.0) -> bool:
+        return bool(select.select([self.proc.stdout], [], [], timeout)[0])
+
+    def status(self) -> int:
+        return int(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _argv(cfg) -> list[str]:
+    argv = ["--log-level", "warning", "extract", "--model", cfg.model, "--out", cfg.out, "--gpus", "cpu"]
+    for d in cfg.data:
+        argv += ["--data", d]
+    for opt in ("shard_size", "batch_tokens", "max_length", "min_loss_tokens", "dtype"):
+        argv += ["--" + opt.replace("_", "-"), str(getattr(cfg, opt))]
+    return argv
+
+
+def _commits(out: str) -> int:
+    folder = Path(out) / "commits"
+    return len(list(folder.glob("*.json"))) if folder.is_dir() else 0
+
+
+def kill_and_resume(cfg, kills: int, seed: int) -> int:
+    """Return the number of SIGKILLs delivered to `dflash extract` runs of cfg before a run finished on its own."""
+    rng = random.Random(seed)
+    launcher = Launcher()
+    delivered = 0
+    try:
+        while True:
+            before = _commits(cfg.out)
+            pid = launcher.start(_argv(cfg))
+            if delivered >= kills:
+                assert launcher.status() == 0, "the resuming run failed"
+                return delivered
+            # A random moment: after 0-2 more shards commit (0 = during start-up), plus up to 0.3 s.
+            wait_for, deadline = rng.choice([0, 1, 1, 2]), time.monotonic() + 60
+            while _commits(cfg.out) < before + wait_for and not launcher.finished(0.01):
+                assert time.monotonic() < deadline, "extract made no progress"
+            time.sleep(rng.uniform(0.0, 0.3))
+            if launcher.finished():
+                assert launcher.status() == 0
+                return delivered  # the run completed before the kill: nothing left to interrupt
+            os.kill(pid, signal.SIGKILL)
+            assert launcher.status() == signal.SIGKILL
+            delivered += 1
+    finally:
+        launcher.close()
+
+
+@pytest.fixture(scope="module")
+def crash_data(tmp_path_factory) -> Path:
+    return write_conversations(tmp_path_factory.mktemp("crash") / "conv.jsonl", 40, seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(crash_data, tiny_qwen3, tmp_path_factory):
+    """The uninterrupted run's samples."""
+    cfg = extract_config(tiny_qwen3, crash_data, tmp_path_factory.mktemp("ref") / "store", shard_size=3)
+    run(cfg)
+    return store_samples(cfg.out)
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want), "samples lost or added"
+    for row, (ids, mask, bits) in want.items():
+        g_ids, g_mask, g_bits = got[row]
+        assert np.array_equal(g_ids, ids) and np.array_equal(g_mask, mask)
+        assert np.array_equal(g_bits, bits), f"row {row}: features differ from the uninterrupted run"
+
+
+def _check_killed_store(cfg, reference) -> None:
+    store = Store.open(cfg.out)
+    assert store.is_complete()
+    assert all(store.verify(s) == [] for s in store.committed_ids())
+    _assert_same(store_samples(cfg.out), reference)
+
+
+def test_sigkill_then_rerun_equals_uninterrupted(crash_data, tiny_qwen3, reference, tmp_path):
+    cfg = extract_config(tiny_qwen3, crash_data, tmp_path / "store", shard_size=3)
+    assert kill_and_resume(cfg, kills=3, seed=0) >= 2
+    _check_killed_store(cfg, reference)
+
+
+@pytest.mark.slow
+def test_twenty_sigkills_then_rerun_equals_uninterrupted(crash_data, tiny_qwen3, reference, tmp_path):
+    kills = 0
+    for seed in range(1, 6):  # a finished store has nothing left to kill; start over until 20 kills landed
+        if kills >= 20:
+            break
+        cfg = extract_config(tiny_qwen3, crash_data, tmp_path / f"store{seed}", shard_size=3)
+        kills += kill_and_resume(cfg, kills=20 - kills, seed=seed)
+        got = store_samples(cfg.out)
+        assert Store.open(cfg.out).is_complete()
+        _assert_same(got, reference)
+    assert kills >= 20
+
+
+def test_two_processes_share_one_store_without_overlap(crash_data, tiny_qwen3, reference, tmp_path):
+    cfg = extract_config(tiny_qwen3, crash_data, tmp_path / "store", shard_size=3)
+    cmd = [sys.executable, "-m", "dflash.cli", *_argv(cfg)]
+    procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=_ENV) for _ in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    store = Store.open(cfg.out)
+    writers = {store.commit_record(s)["writer"]["pid"] for s in store.committed_ids()}
+    assert writers == {p.pid for p in procs}, "both processes should have written shards"
+    _check_killed_store(cfg, reference)  # every row exactly once (store_samples refuses duplicates)

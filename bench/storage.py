@@ -116,6 +116,14 @@ def read_store(url: str, out, verify: bool = True, cold: bool = True) -> float:
     return time.perf_counter() - t
 
 
+def print_row(row: tuple, t_raw_w: float, t_raw_r: float, t_raw_warm: float, gbs) -> None:
+    """Print one configuration's figures and their ratios to the raw file."""
+    codec, chunk, t_w, t_cold, t_warm, t_nov, ratio = row
+    print(f"{codec + ' c' + str(chunk):<22}{gbs(t_w):11.2f}{t_raw_w / t_w:7.2f}{gbs(t_cold):11.2f}"
+          f"{t_raw_r / t_cold:7.2f}{gbs(t_warm):11.2f}{t_raw_warm / t_warm:7.2f}{gbs(t_nov):11.2f}"
+          f"{(t_warm - t_nov) / t_warm:11.1%}{ratio:10.3f}", flush=True)
+
+
 def real_smollm2_bits(tokens: int) -> np.ndarray | None:
     """Return bf16 feature bits [tokens, 5, 576] of SmolLM2-135M on the repo's prompts, or None if unavailable."""
     import importlib.util
@@ -167,6 +175,10 @@ def main() -> None:
     print(f"# bench/storage.py  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {platform.node()}")
     print(f"# {os.cpu_count()} cpus, cuda={cuda} {torch.cuda.get_device_name(0) if cuda else ''}, dir={root}")
     print(f"# python {platform.python_version()} torch {torch.__version__}  argv {' '.join(sys.argv[1:])}")
+    import subprocess
+
+    df = subprocess.run(["df", "-hT", root], capture_output=True, text=True).stdout.strip().splitlines()
+    print(f"# disk: {df[-1] if df else '?'}", flush=True)
     try:
         run(args, root, cuda)
     finally:
@@ -223,11 +235,11 @@ def run(args, root: str, cuda: bool) -> None:
             assert ok, f"{codec} read back differs"
         rows.append((codec, chunk, min(t_w), min(t_cold), t_warm, t_nov, rec["bytes"] / nbytes))
         shutil.rmtree(url, ignore_errors=True)
+        print_row(rows[-1], min(raw_w), min(raw_cold), t_raw_warm, gbs)  # as it goes, in case time runs out
+    print("# final table, against the best raw rounds of the whole run:")
     t_raw_w, t_raw_r = min(raw_w), min(raw_cold)
-    for codec, chunk, t_w, t_cold, t_warm, t_nov, ratio in rows:
-        print(f"{codec + ' c' + str(chunk):<22}{gbs(t_w):11.2f}{t_raw_w / t_w:7.2f}{gbs(t_cold):11.2f}"
-              f"{t_raw_r / t_cold:7.2f}{gbs(t_warm):11.2f}{t_raw_warm / t_warm:7.2f}{gbs(t_nov):11.2f}"
-              f"{(t_warm - t_nov) / t_warm:11.1%}{ratio:10.3f}")
+    for row in rows:
+        print_row(row, t_raw_w, t_raw_r, t_raw_warm, gbs)
     print(f"{'raw file':<22}{gbs(t_raw_w):11.2f}{1:7.2f}{gbs(t_raw_r):11.2f}{1:7.2f}{gbs(t_raw_warm):11.2f}{1:7.2f}")
     print(f"# raw: write+fsync of one file; pread into the same kind of buffer, best of 1 stream and {threads} threads"
           f" over {len(raw_w)} rounds interleaved with the store runs; store: best of {args.repeat}")

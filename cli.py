@@ -167,6 +167,13 @@ def extract(**opts: Any) -> None:
 @click.option("--log-every", default=10, show_default=True, type=int)
 @click.option("--tensorboard", is_flag=True)
 @click.option("--skip-corrupt", is_flag=True, help="Skip (and count) corrupt shards instead of stopping.")
+@click.option("--prefetch-shards", default=2, show_default=True, type=int, help="Whole shards each rank reads ahead.")
+@click.option("--warmup-ratio", default=0.04, show_default=True, type=float)
+@click.option("--sliding-window", default=None, type=int, help="Window of sliding layers (with --full-every).")
+@click.option("--full-every", default=None, type=int, help="Every K-th drafter layer attends fully.")
+@click.option("--attention", default="auto", show_default=True, type=click.Choice(["auto", "flex", "sdpa"]))
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32"]),
+              help="Compute dtype (master weights stay fp32).")
 def train(**opts: Any) -> None:
     """Train a DFlash drafter from a feature store (can follow a running extract)."""
     from .config import TrainConfig
@@ -185,9 +192,20 @@ def _not_built(what: str, issue: str) -> None:
 
 @cli.command(name="eval")
 @config_option
-def eval_(**opts: Any) -> None:
+@click.option("--drafter", required=True, help="Run folder of `dflash train`, one of its checkpoints, or an export.")
+@click.option("--store", required=True, help="Feature store made by `dflash extract`.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--target", default=None, help="Target folder for embedding/lm_head [default: the run's or the store's].")
+@click.option("--shards", default="val", show_default=True, type=click.Choice(["val", "all"]),
+              help="The held-out shards of the run, or every committed shard.")
+@click.option("--val-fraction", default=None, type=float, help="Held-out fraction used in training (for an export).")
+@click.option("--skip-corrupt", is_flag=True, help="Skip (and count) corrupt shards instead of stopping.")
+def eval_(drafter: str, store: str, as_json: bool, **opts: Any) -> None:
     """Teacher-forced tau_hat and per-slot acceptance of a drafter on a store's held-out shards."""
-    _not_built("eval", "it arrives with the training issue")
+    from .train.evaluate import format_eval, run_eval
+
+    result = run_eval(drafter, store, **opts)
+    click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else format_eval(result))
 
 
 @cli.command()

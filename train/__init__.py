@@ -1,6 +1,7 @@
 """dflash.train: the DFlash drafter, its objective, the streaming loader and the training loop."""
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -10,7 +11,18 @@ __all__ = ["run"]
 
 
 def run(cfg: "TrainConfig") -> None:
-    """Run `dflash train` with a validated config."""
-    from ..errors import NotBuiltError
+    """Run `dflash train` with a validated config: here under torchrun (or for one device), else one process per GPU.
 
-    raise NotBuiltError("`dflash train` is not built yet (it arrives with the training issue); nothing was done")
+    torch is imported only now, so `dflash --help` stays fast.
+    """
+    from .dist import launch, train_devices
+    from .loop import train_rank
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or another launcher) made the processes
+        train_rank(cfg)
+        return
+    devices = train_devices(cfg.gpus)
+    if len(devices) == 1:
+        train_rank(cfg)
+        return
+    launch(train_rank, (cfg,), len(devices))

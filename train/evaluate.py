@@ -1,0 +1,218 @@
+"""Teacher-forced evaluation of a drafter on a store's held-out shards: loss, per-slot accuracy/acceptance, tau_hat."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CorruptShard, InputError, ManifestMismatch
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..storage import Store
+    from .model import DFlashDrafter, DrafterConfig
+    from .target_head import TargetHead
+
+__all__ = ["check_compatible", "evaluate_shards", "run_eval", "format_eval"]
+
+log = logging.getLogger(__name__)
+
+
+def check_compatible(cfg: "DrafterConfig", header: dict[str, Any], drafter: str, store: str) -> None:
+    """Raise ManifestMismatch naming each of hidden size, layer ids, mask token and vocab that differ."""
+    pairs = [
+        ("hidden_size", cfg.hidden_size, header.get("hidden_size")),
+        ("layer_ids", list(cfg.target_layer_ids), header.get("layer_ids")),
+        ("mask_token_id", cfg.mask_token_id, header.get("mask_token_id")),
+        ("vocab_size", cfg.vocab_size, (header.get("target") or {}).get("vocab_size")),
+    ]
+    diffs = [f"{name}: drafter has {json.dumps(a)}, store has {json.dumps(b)}" for name, a, b in pairs if a != b]
+    if diffs:
+        raise ManifestMismatch(
+            f"drafter {drafter} does not fit store {store} ({'; '.join(diffs)}); evaluate it on a store extracted "
+            "from its own target with the same layers, or train a drafter on this store with `dflash train`"
+        )
+
+
+def _predict(model: "DFlashDrafter", batch: Any, head: "TargetHead", attention: str):
+    """Return (correct [A, B-1], counted [A, B-1], sum w*CE, sum w) of one packed batch."""
+    import torch
+    from torch.nn import functional as F
+
+    from .attention import make_attend
+    from .linear_ce import chunked_linear_ce
+
+    cfg = model.config
+    B = batch.block_size
+    embeds = F.embedding(batch.block_ids.reshape(-1), head.embed)
+    hidden = model(batch.features, batch.ctx_pos, embeds, batch.block_pos.reshape(-1), make_attend(batch, cfg, attention))
+    w = batch.weights[:, 1:]
+    counted = w > 0
+    rows = torch.nonzero(counted.reshape(-1), as_tuple=False)[:, 0]
+    h = hidden.view(-1, B, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    labels = batch.labels[:, 1:].reshape(-1).index_select(0, rows)
+    row_w = w.reshape(-1).index_select(0, rows)
+    ce_sum, _, pred = chunked_linear_ce(h, head.lm_head, labels, row_w)
+    correct = torch.zeros_like(counted).reshape(-1)
+    correct[rows] = pred == labels
+    return correct.view_as(counted), counted, float(ce_sum), float(w.sum())
+
+
+def evaluate_shards(
+    model: "DFlashDrafter",
+    head: "TargetHead",
+    store: "Store",
+    shard_ids: list[int],
+    *,
+    batch_tokens: int,
+    anchors: int,
+    seed: int = 0,
+    attention: str = "sdpa",
+    device: "torch.device | str" = "cpu",
+    skip_corrupt: bool = False,
+) -> dict[str, Any]:
+    """Return teacher-forced metrics over every sample of the shards: loss, acc, slot_accuracy, accept_rate
+    (fraction of blocks whose first k drafts are all right, k = 1..B-1), tau_hat = 1 + mean streak, counts."""
+    import torch
+
+    from .objective import pack_batch
+
+    cfg = model.config
+    B = cfg.block_size
+    hits = torch.zeros(B - 1, dtype=torch.float64)
+    counts = torch.zeros(B - 1, dtype=torch.float64)
+    streak_hist = torch.zeros(B, dtype=torch.float64)  # blocks with streak exactly s, s = 0..B-1
+    ce, wsum, tokens, skipped = 0.0, 0.0, 0, []
+    was_training = model.training
+    model.eval()
+
+    def flush(seqs: list[dict[str, Any]], k: int) -> None:
+        nonlocal ce, wsum
+        batch = pack_batch(seqs, block_size=B, mask_token_id=cfg.mask_token_id, max_anchors=anchors,
+                           seed=seed * 1_000_003 + k).to(device)
+        if batch.num_blocks == 0:
+            return
+        correct, counted, c, w = _predict(model, batch, head, attention)
+        hit = (correct & counted).double().cpu()
+        hits.add_(hit.sum(0))
+        counts.add_(counted.double().cpu().sum(0))
+        streak = torch.cumprod(hit, dim=1).sum(1).long()
+        streak_hist.add_(torch.bincount(streak, minlength=B).double())
+        ce, wsum = ce + c, wsum + w
+
+    with torch.no_grad():
+        k = 0
+        for sid in shard_ids:
+            try:
+                data = store.read_shard(sid)
+            except CorruptShard as e:
+                if not skip_corrupt:
+                    raise
+                log.warning("skipping corrupt shard: %s", e)
+                skipped.append(sid)
+                continue
+            seqs: list[dict[str, Any]] = []
+            used = 0
+            for i in range(data.num_samples):
+                ids, mask, feats = data.sample(i)
+                n = min(len(ids), batch_tokens)
+                if seqs and used + n > batch_tokens:
+                    flush(seqs, k)
+                    k, seqs, used = k + 1, [], 0
+                seqs.append({"input_ids": ids[:n], "loss_mask": mask[:n], "features": feats[:n]})
+                used += n
+                tokens += n
+            if seqs:
+                flush(seqs, k)
+                k += 1
+    model.train(was_training)
+    blocks = float(streak_hist.sum())
+    at_least = streak_hist.flip(0).cumsum(0).flip(0)  # blocks with streak >= s
+    return {
+        "loss": ce / wsum if wsum else float("nan"),
+        "acc": float(hits.sum() / counts.sum()) if counts.sum() else float("nan"),
+        "slot_accuracy": [float(h / c) if c else float("nan") for h, c in zip(hits, counts)],
+        "accept_rate": [float(at_least[s] / blocks) if blocks else float("nan") for s in range(1, B)],
+        "tau_hat": 1.0 + (float((streak_hist * torch.arange(B)).sum()) / blocks if blocks else 0.0),
+        "blocks": int(blocks),
+        "tokens": tokens,
+        "shards": [s for s in shard_ids if s not in skipped],
+        "skipped_corrupt": skipped,
+    }
+
+
+def _resolve(drafter: str) -> tuple[Path, dict[str, Any] | None]:
+    """Return (the folder holding the weights, the run record if the drafter is a run or one of its checkpoints)."""
+    from .checkpoint import read_run_record
+    from .export import find_checkpoint
+
+    path = Path(drafter)
+    if (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
+        return path, None  # an export
+    folder = find_checkpoint(path)
+    for run in (path, folder.parent.parent):
+        record = read_run_record(run) if (run / "checkpoints").is_dir() else None
+        if record is not None:
+            return folder, record
+    return folder, None
+
+
+def run_eval(drafter: str, store_url: str, *, target: str | None = None, shards: str = "val",
+             val_fraction: float | None = None, batch_tokens: int = 16384, anchors: int = 512,
+             skip_corrupt: bool = False) -> dict[str, Any]:
+    """Return the evaluation of a drafter (run, checkpoint or export folder) on a store's held-out shards."""
+    import torch
+
+    from ..storage import Store
+    from .export import load_drafter
+    from .loader import split_shards
+    from .target_head import load_target_head
+
+    folder, record = _resolve(drafter)
+    store = Store.open(store_url)
+    model = load_drafter(folder, dtype=torch.float32)
+    check_compatible(model.config, store.header, str(folder), store_url)
+    committed = set(store.committed_ids())
+    if shards == "all":
+        ids, split = sorted(committed), "all committed shards"
+    elif record is not None and val_fraction is None:
+        ids, split = list(record["resolved"]["val_shards"]), f"held-out shards of run {folder.parent.parent}"
+        batch_tokens, anchors = record["config"]["batch_tokens"], record["config"]["anchors"]
+    elif val_fraction:
+        ids, split = split_shards(store.num_shards, val_fraction)[1], f"held-out shards of --val-fraction {val_fraction}"
+    else:
+        raise InputError(
+            f"--drafter {drafter}: an export carries no record of its run's held-out shards; pass --val-fraction F "
+            "(the value used in training) or --shards all"
+        )
+    missing = sorted(set(ids) - committed)
+    if missing or not ids:
+        raise InputError(f"--store {store_url}: the {split} {missing or ids} are not committed (committed: "
+                         f"{len(committed)} of {store.num_shards}); finish the store with `dflash extract`")
+    head_dir = target or (record or {}).get("config", {}).get("target") or store.header["target"]["path"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = model.to(device)
+    head = load_target_head(head_dir, dtype=torch.float32, device=device)
+    out = evaluate_shards(model, head, store, ids, batch_tokens=batch_tokens, anchors=anchors, device=device,
+                          attention="sdpa", skip_corrupt=skip_corrupt)
+    out.update(drafter=str(folder), store=store_url, split=split)
+    return out
+
+
+def format_eval(result: dict[str, Any]) -> str:
+    """Return the human-readable summary of run_eval's result."""
+    lines = [
+        f"drafter    {result['drafter']}",
+        f"store      {result['store']} ({result['split']}: {len(result['shards'])} shards, {result['tokens']:,} tokens, "
+        f"{result['blocks']:,} blocks)",
+        f"tau_hat    {result['tau_hat']:.3f}",
+        f"loss       {result['loss']:.4f}   acc {result['acc']:.3f}",
+        "slot       " + " ".join(f"{k + 1:>5d}" for k in range(len(result["slot_accuracy"]))),
+        "accuracy   " + " ".join(f"{a:5.3f}" for a in result["slot_accuracy"]),
+        "acceptance " + " ".join(f"{a:5.3f}" for a in result["accept_rate"]),
+    ]
+    if result["skipped_corrupt"]:
+        lines.append(f"skipped    corrupt shards {result['skipped_corrupt']}")
+    return "\n".join(lines)

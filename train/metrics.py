@@ -1,0 +1,163 @@
+"""What a run tells its user: metrics.jsonl records, log lines or a progress bar, TensorBoard, and the final PNG."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import DflashError
+
+__all__ = ["METRICS_FILE", "PLOT_FILE", "require_tensorboard", "read_metrics", "truncate_metrics", "RunLog", "plot_run"]
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "curves.png"
+
+
+def require_tensorboard() -> Any:
+    """Return tensorboard's SummaryWriter class; DflashError naming the install command if it is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise DflashError(
+            "--tensorboard needs the tensorboard package, which is not installed; run `pip install tensorboard` "
+            "or train without --tensorboard (metrics.jsonl has the same numbers)"
+        ) from None
+    return SummaryWriter
+
+
+def read_metrics(run: str | os.PathLike) -> list[dict[str, Any]]:
+    """Return the records of RUN/metrics.jsonl, skipping a torn last line left by a killed run."""
+    path = Path(run) / METRICS_FILE
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def truncate_metrics(run: str | os.PathLike, step: int) -> int:
+    """Rewrite metrics.jsonl without what was logged after the checkpoint we resume from (later steps, and the
+    epoch-end and validation records of its own step), which the resumed run logs again; return how many went."""
+    path = Path(run) / METRICS_FILE
+    records = read_metrics(run)
+    keep = [r for r in records if int(r.get("step", 0)) < step or (r.get("step") == step and r.get("split") == "train")]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(records) - len(keep)
+
+
+def _fmt_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class RunLog:
+    """Rank 0's sink for step records: metrics.jsonl, a tqdm bar on a terminal or log lines, TensorBoard."""
+
+    def __init__(self, run: str | os.PathLike, *, total_steps: int, start_step: int, tensorboard: bool) -> None:
+        self.run = Path(run)
+        self.file = open(self.run / METRICS_FILE, "a", encoding="utf-8")
+        self.total = total_steps
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
+        self.tb = require_tensorboard()(log_dir=str(self.run / "tensorboard")) if tensorboard else None
+
+    def set_total(self, total: int) -> None:
+        """Take a new estimate of the run's length (follow mode learns it as shards arrive)."""
+        self.total = total
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record to metrics.jsonl (flushed, so a killed run keeps what it logged)."""
+        self.file.write(json.dumps(record, sort_keys=True) + "\n")
+        self.file.flush()
+
+    def step(self, record: dict[str, Any]) -> None:
+        """Record a training step: file, TensorBoard, and the bar or a log line."""
+        self.write(record)
+        step = record["step"]
+        if self.tb is not None:
+            for key in ("loss", "acc", "tau_hat", "lr", "grad_norm", "tokens_per_s", "data_wait"):
+                self.tb.add_scalar(f"{record.get('split', 'train')}/{key}", record[key], step)
+        text = (f"loss {record['loss']:.4f} acc {record['acc']:.3f} tau {record['tau_hat']:.3f} "
+                f"lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} tok/s wait {record['data_wait']:.0%}")
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix_str(text, refresh=True)
+        else:
+            log.info("step %d/%d epoch %d: %s gnorm %.3f prefetch %d ETA %s", step, self.total, record["epoch"], text,
+                     record["grad_norm"], record["prefetch_depth"], _fmt_eta(record["eta_s"]))
+
+    def validation(self, record: dict[str, Any]) -> None:
+        """Record a validation pass."""
+        self.write(record)
+        if self.tb is not None:
+            for key in ("loss", "acc", "tau_hat"):
+                self.tb.add_scalar(f"val/{key}", record[key], record["step"])
+        log.info("validation at step %d: loss %.4f acc %.3f tau_hat %.3f on %d blocks", record["step"],
+                 record["loss"], record["acc"], record["tau_hat"], record["blocks"])
+
+    def waiting(self, text: str) -> None:
+        """Show that training has caught up with the store and waits for shards."""
+        if self.bar is not None:
+            self.bar.set_description_str(text)
+        log.info("%s", text)
+
+    def close(self) -> None:
+        """Close the file, the bar and TensorBoard."""
+        self.file.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_run(run: str | os.PathLike) -> Path | None:
+    """Return RUN/curves.png: loss and tau_hat over steps, train and validation (None without any record)."""
+    records = read_metrics(run)
+    train = [r for r in records if r.get("split") == "train"]
+    val = [r for r in records if r.get("split") == "val"]
+    if not train and not val:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key in zip(axes, ("loss", "tau_hat")):
+        for rows, label, style in ((train, "train", "-"), (val, "validation", "o-")):
+            if rows:
+                ax.plot([r["step"] for r in rows], [r[key] for r in rows], style, label=label)
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    out = Path(run) / PLOT_FILE
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out

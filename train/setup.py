@@ -1,0 +1,125 @@
+"""What a run is made of before its first step: the store checked against the target, the drafter shape, the split,
+the run folder (new, or resumed with nothing changed), shard lengths, and the learning-rate schedule."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import ConfigError, CorruptShard, ManifestMismatch
+from .checkpoint import check_resume, latest_checkpoint, read_run_record
+from .loader import split_shards
+from .metrics import METRICS_FILE
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+    from ..storage import Store
+    from .model import DrafterConfig
+
+__all__ = ["drafter_config", "run_record", "prepare_run_folder", "ShardLengths", "lr_factor"]
+
+log = logging.getLogger(__name__)
+
+# Header fields that make two stores the same data for training purposes (a resumed run must see these unchanged).
+_STORE_IDENTITY = ("layer_ids", "hidden_size", "mask_token_id", "codec", "tokenizer_hash", "chat_template_hash",
+                   "max_length", "dataset", "shard_plan", "target")
+
+
+def drafter_config(cfg: "TrainConfig", store: "Store") -> "DrafterConfig":
+    """Return the drafter shape for this target and store; ManifestMismatch if they do not belong together."""
+    from .evaluate import check_compatible
+    from .model import DrafterConfig
+
+    header = store.header
+    dcfg = DrafterConfig.from_target(
+        cfg.target, target_layer_ids=header["layer_ids"], mask_token_id=int(header["mask_token_id"]),
+        draft_layers=cfg.draft_layers, block_size=cfg.block_size, sliding_window=cfg.sliding_window,
+        full_every=cfg.full_every,
+    )
+    check_compatible(dcfg, header, f"built from --target {cfg.target}", cfg.store)
+    layers = (header.get("target") or {}).get("num_layers")
+    if layers is not None and layers != dcfg.num_target_layers:
+        raise ManifestMismatch(
+            f"--target {cfg.target} has {dcfg.num_target_layers} decoder layers but store {cfg.store} was extracted "
+            f"from a target with {layers}; pass --target the model the store was made from"
+        )
+    return dcfg
+
+
+def run_record(cfg: "TrainConfig", store: "Store", dcfg: "DrafterConfig", world: int) -> dict[str, Any]:
+    """Return RUN/config.json's content: the TrainConfig and what it resolved to (store identity, drafter, split)."""
+    train_ids, val_ids = split_shards(store.num_shards, cfg.val_fraction)
+    header = {k: store.header.get(k) for k in _STORE_IDENTITY}
+    return {
+        "config": cfg.to_dict(),
+        "resolved": {
+            "store": {"path": os.path.abspath(cfg.store) if "://" not in cfg.store else cfg.store, "header": header},
+            "drafter": dcfg.to_dict(),
+            "world_size": world,
+            "num_slots": world * cfg.grad_accum,
+            "train_shards": train_ids,
+            "val_shards": val_ids,
+        },
+    }
+
+
+def prepare_run_folder(cfg: "TrainConfig", record: dict[str, Any]) -> Path | None:
+    """Return the checkpoint to resume from (None: a fresh run); refuse to overwrite a run or resume a changed one."""
+    run = Path(cfg.out)
+    if run.exists() and not run.is_dir():
+        raise ConfigError(f"--out {run}: exists and is not a folder; pass a new folder path")
+    ckpt = latest_checkpoint(run)
+    saved = read_run_record(run)
+    if not cfg.resume:
+        if ckpt is not None or (run / METRICS_FILE).exists():
+            raise ConfigError(
+                f"--out {run}: already holds a run ({ckpt.name if ckpt else METRICS_FILE}); pass --resume to "
+                "continue it, or choose a new --out"
+            )
+        return None
+    if saved is not None:
+        check_resume(run, saved, record)
+    if ckpt is None:
+        log.warning("--resume: %s has no complete checkpoint yet; starting from step 0", run)
+    return ckpt
+
+
+class ShardLengths:
+    """Sample lengths of each shard, read once from its small `offsets` array (corrupt shards: none, counted)."""
+
+    def __init__(self, store: "Store", skip_corrupt: bool) -> None:
+        self.store, self.skip_corrupt = store, skip_corrupt
+        self.cache: dict[int, np.ndarray] = {}
+        self.corrupt: dict[int, str] = {}
+
+    def __getitem__(self, sid: int) -> np.ndarray:
+        if sid not in self.cache:
+            from ..storage.reader import load_record, read_small
+
+            try:
+                record = load_record(self.store.fs, sid)
+                self.cache[sid] = np.diff(read_small(self.store.fs, sid, record, "offsets"))
+            except CorruptShard as e:
+                if not self.skip_corrupt:
+                    raise CorruptShard(f"{e}; or rerun `dflash train` with --skip-corrupt to train without it") from None
+                log.warning("skipping corrupt shard (--skip-corrupt): %s", e)
+                self.corrupt[sid] = str(e)
+                self.cache[sid] = np.zeros(0, np.int64)
+        return self.cache[sid]
+
+    def load(self, ids: list[int]) -> dict[int, np.ndarray]:
+        """Return {id: lengths} for the shards."""
+        return {s: self[s] for s in ids}
+
+
+def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
+    """Return the learning-rate multiplier of a step: linear warmup over warmup_ratio of the run, then cosine to 0."""
+    warm = max(1, math.ceil(warmup_ratio * total))
+    if step < warm:
+        return (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))

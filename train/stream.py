@@ -1,0 +1,263 @@
+"""Streaming a round's plan from the store: whole-shard prefetch threads with bounded memory, packed batches ahead.
+
+One reader thread reads whole shards (large sequential reads; the store decodes chunks in its own pool) in the
+order this rank first needs them, at most `depth` shards ahead of what the current steps hold. One producer
+thread turns each step's samples into PackedBatches on the training device, copying from pinned memory on a side
+stream, so the training loop only waits when the disk is slower than the GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CorruptShard
+from .loader import Round, Sample, batch_seed
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..storage import ShardData, Store
+    from .objective import PackedBatch
+
+__all__ = ["RoundStream", "StepData"]
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+class _Stopped(Exception):
+    """Raised in the producer when the stream is closed while it waits for a shard."""
+
+
+@dataclass
+class StepData:
+    """The micro-batches of one step for this rank (None where every sample came from a skipped corrupt shard)."""
+
+    step_in_epoch: int
+    micro: list["PackedBatch | None"]
+    tokens: int
+    skipped_samples: int
+
+
+class _ShardPrefetcher:
+    """Reads whole shards in a fixed order on a thread, holding at most `capacity` shards at once."""
+
+    def __init__(self, store: "Store", order: list[int], capacity: int, skip_corrupt: bool, pin: bool) -> None:
+        self.store, self.order, self.skip_corrupt, self.pin = store, order, skip_corrupt, pin
+        self.slots = threading.Semaphore(capacity)
+        self.cond = threading.Condition()
+        self.ready: dict[int, Any] = {}
+        self.touched: set[int] = set()
+        self.stop = False
+        self.corrupt: list[int] = []
+        self.thread = threading.Thread(target=self._run, name="dflash-prefetch", daemon=True)
+        self.thread.start()
+
+    def _read(self, sid: int) -> "ShardData":
+        out = None
+        if self.pin:
+            import torch
+
+            rec = self.store.commit_record(sid)
+            n = int(rec["num_tokens"]) * len(self.store.header["layer_ids"]) * int(self.store.header["hidden_size"])
+            out = torch.empty(max(1, n), dtype=torch.bfloat16, pin_memory=True)
+        return self.store.read_shard(sid, out=out)
+
+    def _run(self) -> None:
+        for sid in self.order:
+            self.slots.acquire()
+            if self.stop:
+                return
+            try:
+                data: Any = self._read(sid)
+            except CorruptShard as e:
+                if not self.skip_corrupt:
+                    data = CorruptShard(f"{e}; or rerun `dflash train --resume` with --skip-corrupt to train without it")
+                else:
+                    log.warning("skipping corrupt shard (--skip-corrupt): %s", e)
+                    self.corrupt.append(sid)
+                    data = None
+            except BaseException as e:  # handed to the consumer, which re-raises it on the training thread
+                data = e
+            with self.cond:
+                self.ready[sid] = data
+                self.cond.notify_all()
+
+    def get(self, sid: int) -> "ShardData | None":
+        """Return a shard once read (None if it was corrupt and skipped); re-raise its read error."""
+        with self.cond:
+            while sid not in self.ready:
+                if self.stop:
+                    raise _Stopped()
+                self.cond.wait()
+            data = self.ready[sid]
+            self.touched.add(sid)
+        if isinstance(data, BaseException):
+            raise data
+        return data
+
+    def release(self, sid: int) -> None:
+        """Drop a shard nobody needs any more, making room for the next read."""
+        with self.cond:
+            self.ready.pop(sid, None)
+        self.slots.release()
+
+    def depth(self) -> int:
+        """Return how many shards are read and waiting, not yet used by any step."""
+        with self.cond:
+            return sum(1 for s in self.ready if s not in self.touched)
+
+    def close(self) -> None:
+        """Stop reading (the thread ends at its next shard boundary)."""
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+        self.slots.release()
+
+
+class RoundStream:
+    """Iterator over StepData of this rank's slots for steps start..round.steps-1 of one round."""
+
+    def __init__(
+        self,
+        store: "Store",
+        plan: Round,
+        *,
+        slots: list[int],
+        epoch: int,
+        step_offset: int,
+        start: int,
+        seed: int,
+        block_size: int,
+        mask_token_id: int,
+        anchors: int,
+        device: "torch.device",
+        depth: int,
+        skip_corrupt: bool,
+        ahead: int = 2,
+    ) -> None:
+        self.plan, self.slots, self.epoch, self.offset = plan, slots, epoch, step_offset
+        self.seed, self.block_size, self.mask, self.anchors = seed, block_size, mask_token_id, anchors
+        self.device = device
+        self.steps = range(start, plan.steps)
+        order, last_use, live = self._schedule()
+        self.last_use = last_use
+        self.prefetch = _ShardPrefetcher(store, order, live + depth, skip_corrupt, device.type == "cuda")
+        self.queue: queue.Queue = queue.Queue(maxsize=ahead)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._produce, name="dflash-batches", daemon=True)
+        self.thread.start()
+
+    def _step_samples(self, s: int) -> list[list[Sample]]:
+        return [self.plan.batches[k][s] for k in self.slots]
+
+    def _schedule(self) -> tuple[list[int], dict[int, int], int]:
+        """Return (shards in order of first use, last step using each, most shards any step range holds at once)."""
+        order: list[int] = []
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for s in self.steps:
+            for batch in self._step_samples(s):
+                for sid, _, _ in batch:
+                    if sid not in first:
+                        first[sid] = s
+                        order.append(sid)
+                    last[sid] = s
+        live = 1
+        for s in self.steps:  # shards first used at or before s and last used at or after s are held together
+            live = max(live, sum(1 for sid in order if first[sid] <= s <= last[sid]))
+        return order, last, live
+
+    def _pack(self, samples: list[Sample], s: int, slot: int) -> tuple["PackedBatch | None", int]:
+        from .objective import pack_batch
+
+        seqs, skipped = [], 0
+        for sid, idx, n in samples:
+            data = self.prefetch.get(sid)
+            if data is None:
+                skipped += 1
+                continue
+            ids, mask, feats = data.sample(idx)
+            feats = feats[:n]
+            if self.device.type == "cuda":
+                feats = feats.to(self.device, non_blocking=True)
+            seqs.append({"input_ids": ids[:n], "loss_mask": mask[:n], "features": feats})
+        if not seqs:
+            return None, skipped
+        batch = pack_batch(seqs, block_size=self.block_size, mask_token_id=self.mask, max_anchors=self.anchors,
+                           seed=batch_seed(self.seed, self.epoch, self.offset + s, slot))
+        if self.device.type != "cuda":
+            batch = batch.to(self.device)
+        return batch, skipped
+
+    def _produce(self) -> None:
+        import torch
+
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        try:
+            for s in self.steps:
+                micro, skipped, tokens = [], 0, 0
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    for slot, samples in zip(self.slots, self._step_samples(s)):
+                        batch, sk = self._pack(samples, s, slot)
+                        micro.append(batch)
+                        skipped += sk
+                        tokens += sum(x[2] for x in samples)
+                if stream is not None:
+                    stream.synchronize()  # copies done: the pinned shard memory may be released now
+                for sid in {x[0] for batch in self._step_samples(s) for x in batch}:
+                    if self.last_use[sid] == s:
+                        self.prefetch.release(sid)
+                self.queue.put(StepData(self.offset + s, micro, tokens, skipped))
+        except _Stopped:
+            pass
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.queue.put(_END)
+
+    def __iter__(self) -> "RoundStream":
+        return self
+
+    def __next__(self) -> StepData:
+        item = self.queue.get()
+        if item is _END:
+            self.queue.put(_END)
+            if self.error is not None:
+                raise self.error
+            raise StopIteration
+        return item
+
+    def get(self) -> tuple[StepData | None, float]:
+        """Return (next step's data or None at the end, seconds spent waiting for it)."""
+        t0 = time.perf_counter()
+        try:
+            item = next(self)
+        except StopIteration:
+            item = None
+        return item, time.perf_counter() - t0
+
+    @property
+    def corrupt(self) -> list[int]:
+        """Return the ids of the corrupt shards skipped so far."""
+        return list(self.prefetch.corrupt)
+
+    def depth(self) -> int:
+        """Return how many shards are read ahead and waiting."""
+        return self.prefetch.depth()
+
+    def close(self) -> None:
+        """Stop the threads (used when training stops before the round ends)."""
+        self.prefetch.close()
+        while self.thread.is_alive():
+            try:
+                self.queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+            self.prefetch.close()

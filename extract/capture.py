@@ -34,7 +34,11 @@ def load_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype)
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}  # load straight onto the GPU, not through host memory
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+        except ImportError:  # device_map needs accelerate on some transformers versions: load via host memory
+            kwargs.pop("device_map", None)
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     except (OSError, ValueError) as e:
         raise InputError(
             f"--model {model_dir}: expected a Hugging Face model folder (config.json + weights), "

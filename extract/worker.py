@@ -12,7 +12,7 @@ from ..errors import InputError, StoreError
 from .data import BadRowLog, Row
 from .plan import shard_ranges
 
-__all__ = ["WorkerSpec", "prepare_shard", "run_worker"]
+__all__ = ["WorkerSpec", "prepare_shard", "run_worker", "fill_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Repor
     from ..storage import Store
     from .capture import TargetRunner, load_target
     from .data import read_rows
-    from .pipeline import FeaturePipeline, PipelineStats
+    from .pipeline import FeaturePipeline
     from .template import ChatEncoder, load_template
 
     device = torch.device(spec.device)
@@ -103,13 +103,42 @@ def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Repor
         on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}),
     )
     ranges = shard_ranges(len(rows), header["shard_plan"]["rows_per_shard"])
+    store.write_threads = cfg.writer_threads
+
+    def samples_for(shard_id: int) -> tuple[list[Any], dict[str, Any]]:
+        start, stop = ranges[shard_id]
+        samples, dropped = prepare_shard(rows[start:stop], encoder, cfg.min_loss_tokens, cfg.strict)
+        report({"kind": "dropped", "worker": spec.index, "samples": stop - start - len(samples)})
+        return samples, {"rows": [start, stop], "dropped": dropped.to_dict()}
+
+    try:
+        result = fill_shards(store, samples_for, pipeline, report, spec)
+    except BaseException as e:
+        if _disk_full(e):
+            raise StoreError(
+                f"{cfg.out}: disk full (ENOSPC) while writing shards; every committed shard is intact. "
+                "Free space (or move --out) and rerun the same command to resume"
+            ) from None
+        raise
+    return result
+
+
+def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report, spec: WorkerSpec) -> dict[str, Any]:
+    """Return this worker's totals after claiming and committing every shard it could get, one claim at a time.
+
+    samples_for(shard_id) gives the shard's samples and the commit extra (rows, drops). A shard is committed by
+    the pipeline's writer thread after its last sample, while the device already runs the next shard, so at most
+    two shards are open per worker; a failure aborts them (their claims are released, the data is garbage).
+    """
+    from .pipeline import PipelineStats
+
     totals = PipelineStats()
     open_writers: dict[int, Any] = {}
     done: list[int] = []
     t0 = time.perf_counter()
     # Start each worker at a different shard so peers do not race for the same claim first.
     committed = set(store.committed_ids())
-    todo = [s for s in range(len(ranges)) if s not in committed]
+    todo = [s for s in range(store.num_shards) if s not in committed]
     k = spec.index % max(1, len(todo))
     try:
         for shard_id in todo[k:] + todo[:k]:
@@ -117,27 +146,19 @@ def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Repor
             if writer is None:
                 continue
             open_writers[shard_id] = writer
-            start, stop = ranges[shard_id]
-            samples, dropped = prepare_shard(rows[start:stop], encoder, cfg.min_loss_tokens, cfg.strict)
-            report({"kind": "dropped", "worker": spec.index, "samples": stop - start - len(samples)})
+            samples, extra = samples_for(shard_id)
             stats = pipeline.submit(samples, writer)
             totals.add(stats)
-            extra = {"rows": [start, stop], "dropped": dropped.to_dict(), "device": spec.device, **stats.to_dict()}
-            # Committed by the writer thread after the shard's last sample, while the next shard runs.
+            extra = {**extra, "device": spec.device, **stats.to_dict()}
             pipeline.then(lambda w=writer, sid=shard_id, x=extra: _commit(w, sid, x, open_writers, done, report, spec.index))
         totals.wait_s += pipeline.drain()
-    except BaseException as e:
+    except BaseException:
         try:
             pipeline.drain()
         except BaseException:
             pass  # the first failure is the one to report
-        for w in open_writers.values():
+        for w in list(open_writers.values()):
             w.abort()
-        if _disk_full(e):
-            raise StoreError(
-                f"{cfg.out}: disk full (ENOSPC) while writing shards {sorted(open_writers)}; every committed shard is "
-                "intact. Free space (or move --out) and rerun the same command to resume"
-            ) from None
         raise
     totals.seconds = time.perf_counter() - t0
     return {"device": spec.device, "shards": len(done), "pid": os.getpid(), **totals.to_dict()}

@@ -91,19 +91,28 @@ def data_file(tmp_path_factory) -> Path:
     return write_conversations(tmp_path_factory.mktemp("data") / "conv.jsonl", 18)
 
 
-@pytest.mark.parametrize("target, dtype", [("tiny_qwen3", "float32"), ("tiny_llama", "bfloat16")])
-def test_stored_features_equal_the_full_model_on_each_sample(target, dtype, data_file, tmp_path, request):
+@pytest.mark.parametrize(
+    "target, dtype, gpus",
+    [
+        ("tiny_qwen3", "float32", "cpu"),
+        ("tiny_llama", "bfloat16", "cpu"),
+        pytest.param("tiny_qwen3", "bfloat16", "0", marks=pytest.mark.gpu),
+    ],
+)
+def test_stored_features_equal_the_full_model_on_each_sample(target, dtype, gpus, data_file, tmp_path, request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.extract.data import read_rows
     from dflash.extract.template import ChatEncoder
 
     model_dir = request.getfixturevalue(target)
-    cfg = extract_config(model_dir, data_file, tmp_path / "store", dtype=dtype, layers=(1, 4, 6))
+    cfg = extract_config(model_dir, data_file, tmp_path / "store", dtype=dtype, layers=(1, 4, 6), gpus=gpus)
+    device = "cpu" if gpus == "cpu" else "cuda:0"
     summary = run(cfg)
     store = Store.open(cfg.out)
     assert store.is_complete() and store.header["layer_ids"] == [1, 4, 6]
-    full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+    full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    full = full.to(device).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     encoder = ChatEncoder(tok, tok.chat_template, cfg.max_length)
     rows = read_rows(cfg.data)
@@ -114,8 +123,9 @@ def test_stored_features_equal_the_full_model_on_each_sample(target, dtype, data
         enc = encoder.encode(rows[row].messages)
         assert ids.tolist() == enc.input_ids.tolist() and mask.tolist() == enc.loss_mask.tolist()
         with torch.no_grad():
-            hs = full(input_ids=torch.as_tensor(ids, dtype=torch.long)[None], output_hidden_states=True).hidden_states
-        want = torch.stack([hs[i + 1][0] for i in (1, 4, 6)], dim=1).float()
+            x = torch.as_tensor(ids, dtype=torch.long, device=device)[None]
+            hs = full(input_ids=x, output_hidden_states=True).hidden_states
+        want = torch.stack([hs[i + 1][0] for i in (1, 4, 6)], dim=1).float().cpu()
         got = torch.from_numpy(bits).view(torch.bfloat16).float()
         if dtype == "float32":
             # Batching moves fp32 results by ~1e-6, so each value is at most one bf16 rounding step away.

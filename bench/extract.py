@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from dflash.extract.capture import TargetRunner
+from dflash.extract.capture import TargetRunner, pad_batch
 from dflash.extract.pipeline import DiscardSink, FeaturePipeline, Sample
 from dflash.extract.plan import default_shard_size, pack_batches, padding_fraction, shard_ranges
 from dflash.extract.worker import WorkerSpec, fill_shards
@@ -78,10 +78,7 @@ def bare_forward(model, shards: list[list[Sample]], batch_tokens: int, device) -
         for samples in shards:
             lengths = [len(s.input_ids) for s in samples]
             for idx in pack_batches(lengths, batch_tokens):
-                L = max(lengths[i] for i in idx)
-                ids = torch.zeros((len(idx), L), dtype=torch.long)
-                for b, i in enumerate(idx):
-                    ids[b, : lengths[i]] = torch.from_numpy(samples[i].input_ids.astype(np.int64))
+                ids, _ = pad_batch([samples[i].input_ids for i in idx], 0)
                 model.model(input_ids=ids.to(device, non_blocking=True), use_cache=False)
                 real += sum(lengths[i] for i in idx)
                 padded += ids.numel()
@@ -148,9 +145,7 @@ def main() -> None:
     for sh in shards:
         lengths = [len(s.input_ids) for s in sh]
         for idx in pack_batches(lengths, args.batch_tokens):
-            ids = torch.zeros((len(idx), max(lengths[i] for i in idx)), dtype=torch.long)
-            for b, i in enumerate(idx):
-                ids[b, : lengths[i]] = torch.from_numpy(sh[i].input_ids.astype(np.int64))
+            ids, _ = pad_batch([sh[i].input_ids for i in idx], 0)
             runner.hidden(ids.to(device, non_blocking=True))
     _sync(device)
     tok_a2 = real / (time.perf_counter() - t0)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from .capture import TargetRunner
+from .capture import TargetRunner, pad_batch
 from .plan import pack_batches
 
 __all__ = ["Sample", "Sink", "DiscardSink", "PipelineStats", "FeaturePipeline"]
@@ -169,11 +169,9 @@ class FeaturePipeline:
             raise err
 
     def _pad(self, batch: list[Sample]) -> tuple[torch.Tensor, list[int]]:
-        lens = [len(s.input_ids) for s in batch]
-        ids = torch.full((len(batch), max(lens)), self.pad_id, dtype=torch.long, pin_memory=self.cuda)
-        for b, s in enumerate(batch):
-            ids[b, : lens[b]] = torch.from_numpy(s.input_ids.astype(np.int64, copy=False))
-        return ids, lens
+        ids, lens = pad_batch([s.input_ids for s in batch], self.pad_id)
+        # Pinned, so the host-to-device copy of the ids is asynchronous.
+        return (ids.pin_memory() if self.cuda else ids), lens
 
     def _to_host(self, batch: list[Sample], feats: torch.Tensor, slot: int, sink: Sink) -> _Work:
         T = feats.shape[0]

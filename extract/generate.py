@@ -277,7 +277,11 @@ def _transformers_backend(cfg: "GenerateConfig"):
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     if not tokenizer.chat_template:
         raise InputError(f"--model {cfg.model}: expected a tokenizer with a chat template, found none")
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype="auto").to(cfg.device).eval()
+    # On CPU, bf16 attention over a left-padded batch drifts far enough to change greedy answers (measured on
+    # SmolLM2: 0.9 logit on the first token, a different answer), and fp32 is no slower there; GPUs keep the
+    # folder's dtype.
+    dtype = torch.float32 if cfg.device == "cpu" else "auto"
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(cfg.device).eval()
     # Left padding keeps every prompt's last token at the same column, where generation continues.
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

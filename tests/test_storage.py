@@ -266,3 +266,5 @@ def test_chunk_size_is_per_shard(tmp_path):
     for i in (0, 1):
         np.testing.assert_array_equal(bits_of(b.read_shard(i).sample(1)[2]), synthetic_sample(i, 1, L, H)[2])
     assert os.path.exists(tmp_path / "shards/00000/features/c.0.0.0")
+    via_url = Store.open(f"file://{tmp_path}")
+    assert via_url.committed_ids() == [0, 1] and via_url.verify(1) == []

@@ -168,3 +168,27 @@ def test_two_processes_share_one_store_without_overlap(crash_data, tiny_qwen3, r
     writers = {store.commit_record(s)["writer"]["pid"] for s in store.committed_ids()}
     assert writers == {p.pid for p in procs}, "both processes should have written shards"
     _check_killed_store(cfg, reference)  # every row exactly once (store_samples refuses duplicates)
+
+
+@pytest.mark.slow
+def test_spawned_workers_split_the_shards(crash_data, tiny_qwen3, reference, tmp_path, monkeypatch):
+    # The multi-device path (one spawned process per device) on two CPU "devices": same store as one process.
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash.extract.data import read_rows
+    from dflash.extract.header import build_header
+    from dflash.extract.orchestrate import _run_spawned
+    from dflash.extract.progress import Progress
+    from dflash.extract.template import load_template
+    from dflash.extract.worker import WorkerSpec
+
+    cfg = extract_config(tiny_qwen3, crash_data, tmp_path / "store", shard_size=3)
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    header = build_header(cfg, AutoConfig.from_pretrained(cfg.model), tok, load_template(tok, None), read_rows(cfg.data))
+    store = Store.create_or_open(cfg.out, header)
+    progress = Progress(40, show=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned interpreters
+    results = _run_spawned(cfg, [WorkerSpec("cpu", i, store.header) for i in range(2)], progress)
+    assert sum(r["shards"] for r in results) == store.num_shards and all(r["shards"] > 0 for r in results)
+    assert progress.samples == len(reference)
+    _assert_same(store_samples(cfg.out), reference)

@@ -30,7 +30,8 @@ def devices_for(gpus: str, local_rank: int | None = None) -> list[str]:
     n = torch.cuda.device_count()
     have = [i for i in ids if i < n]
     if not have:
-        raise InputError(f"--gpus {gpus}: this machine has {n} CUDA device(s), none of those; pass --gpus cpu or 0..{n - 1}")
+        hint = f"pass --gpus with ids in 0..{n - 1}" if n else "this torch sees no CUDA device; pass --gpus cpu"
+        raise InputError(f"--gpus {gpus}: expected CUDA devices {ids}, found {n} on this machine; {hint}")
     if len(have) < len(ids):
         log.info("--gpus %s clipped to the %d existing device(s): %s", gpus, len(have), have)
     if local_rank is not None:

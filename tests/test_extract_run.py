@@ -156,11 +156,25 @@ def test_changed_options_are_refused_naming_the_field(data_file, tiny_qwen3, tin
         run(extract_config(tiny_qwen3, data_file, out, shard_size=9, codec="none"))
     with pytest.raises(ManifestMismatch, match="target.path"):
         run(extract_config(tiny_llama, data_file, out, shard_size=9))
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}")
+    with pytest.raises(ManifestMismatch, match="chat_template_hash"):
+        run(extract_config(tiny_qwen3, data_file, out, shard_size=9, chat_template=str(template)))
     other = write_conversations(tmp_path / "other.jsonl", 18, seed=1)
     with pytest.raises(ManifestMismatch, match="dataset.fingerprint"):
         run(extract_config(tiny_qwen3, other, out, shard_size=9))
     # The same options resume (nothing left to do) and report the same totals.
     assert run(extract_config(tiny_qwen3, data_file, out, shard_size=9))["samples"] == 15
+
+
+def test_gpus_without_cuda_is_an_input_error():
+    from dflash.extract.orchestrate import devices_for
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA devices")
+    with pytest.raises(InputError, match="pass --gpus cpu"):
+        devices_for("0,1,2,3,4")
+    assert devices_for("cpu") == ["cpu"]
 
 
 def test_vocabulary_without_a_spare_row_needs_mask_token_id(data_file, tmp_path):

@@ -77,29 +77,44 @@ def _pad(t: torch.Tensor, n: int, value: int) -> torch.Tensor:
     return torch.cat([t, t.new_full((n - t.shape[0],), value)]) if n > t.shape[0] else t
 
 
+def _make_mask_mod(q_idx: tuple[torch.Tensor, ...], k_idx: tuple[torch.Tensor, ...], window: int | None):
+    """Return a flex mask_mod over index tensors; a factory, so the window is a closed-over constant per mask."""
+    q_seq, q_anchor, q_pos, q_blk = q_idx
+    k_seq, k_pos, k_blk = k_idx
+
+    def mask_mod(b, h, qi, ki):
+        return visible(q_seq[qi], q_anchor[qi], q_pos[qi], q_blk[qi], k_seq[ki], k_pos[ki], k_blk[ki], window)
+
+    return mask_mod
+
+
 def _flex_attend(batch: "PackedBatch", cfg: "DrafterConfig") -> "Attend":
     from torch.nn.attention.flex_attention import create_block_mask
 
     N, Q = batch.ctx_pos.shape[0], batch.num_blocks * batch.block_size
     Np, Qp = bucket(N, 128), bucket(Q)
+    L = Np + Qp
     B = batch.block_size
     q_seq, q_anchor, q_pos, q_blk = query_index(batch)
-    # Padded queries form blocks of their own (ids >= A) in sequence -2; padded context keys belong to
-    # sequence -1 and are seen by nobody. So padding changes no real row and no padded row is empty.
+    # Padded block queries form blocks of their own (ids >= A) in sequence -2; padded context keys belong to
+    # sequence -1 and are seen by nobody. So padding changes no real row and no padded block row is empty.
     pad_blk = batch.num_blocks + torch.arange(Qp - Q, device=q_blk.device) // B
     q_seq, q_anchor, q_pos = _pad(q_seq, Qp, -2), _pad(q_anchor, Qp, 0), _pad(q_pos, Qp, 0)
     q_blk = torch.cat([q_blk, pad_blk])
     k_seq = torch.cat([_pad(batch.ctx_seq, Np, -1), q_seq])
     k_pos = torch.cat([_pad(batch.ctx_pos, Np, 0), q_pos])
     k_blk = torch.cat([_pad(torch.full_like(batch.ctx_pos, -1), Np, -1), q_blk])
-    masks = {}
-    for kind in set(cfg.layer_types):
-        window = _window(cfg, kind)
-
-        def mask_mod(b, h, qi, ki, window=window):
-            return visible(q_seq[qi], q_anchor[qi], q_pos[qi], q_blk[qi], k_seq[ki], k_pos[ki], k_blk[ki], window)
-
-        masks[kind] = create_block_mask(mask_mod, None, None, Qp, Np + Qp, device=q_seq.device, _compile=True)
+    # Queries are laid out like the keys (Q_LEN == KV_LEN): Np dead rows that see nothing, then the block
+    # queries. The compiled flex backward has given wrong dK/dV for custom masks with KV_LEN != Q_LEN
+    # (pytorch/pytorch#158212); the dead rows' tiles are empty, so they cost no attention work.
+    dead = torch.full((Np,), -3, dtype=torch.long, device=q_seq.device)
+    q_all = (torch.cat([dead, q_seq]), torch.cat([dead * 0, q_anchor]), torch.cat([dead * 0, q_pos]),
+             torch.cat([dead - 2, q_blk]))
+    masks = {
+        kind: create_block_mask(_make_mask_mod(q_all, (k_seq, k_pos, k_blk), _window(cfg, kind)), None, None, L, L,
+                                device=q_seq.device, _compile=True)
+        for kind in set(cfg.layer_types)
+    }
     flex = _compiled_flex()
 
     def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -107,26 +122,50 @@ def _flex_attend(batch: "PackedBatch", cfg: "DrafterConfig") -> "Attend":
             ctx, blk = t[:, :, :N], t[:, :, N:]
             return torch.cat([F.pad(ctx, (0, 0, 0, Np - N)), F.pad(blk, (0, 0, 0, Qp - Q))], dim=2)
 
-        out = flex(F.pad(q, (0, 0, 0, Qp - Q)), pad_kv(k), pad_kv(v), block_mask=masks[cfg.layer_types[index]],
+        out = flex(F.pad(q, (0, 0, Np, Qp - Q)), pad_kv(k), pad_kv(v), block_mask=masks[cfg.layer_types[index]],
                    enable_gqa=q.shape[1] != k.shape[1])
-        return out[:, :, :Q]
+        return out[:, :, Np:Np + Q]
 
     return attend
 
 
 def make_attend(batch: "PackedBatch", cfg: "DrafterConfig", kind: str = "sdpa") -> "Attend":
-    """Return the Attend of a packed batch: "sdpa" (dense boolean mask, portable) or "flex" (CUDA block mask)."""
+    """Return the Attend of a packed batch: "sdpa" (dense boolean mask, portable) or "flex" (CUDA block mask).
+
+    SDPA runs once per packed sequence (its blocks against its own context and blocks): the dense mask of the
+    whole batch would be S times larger and almost all False.
+    """
     from .model import expand_kv
 
     if kind == "flex":
         return _flex_attend(batch, cfg)
     if kind != "sdpa":
         raise ConfigError(f"--attention {kind!r}: use flex or sdpa")
-    masks = dense_masks(batch, cfg)
-    per_layer = [masks[t][None, None] for t in cfg.layer_types]
+    N, B = batch.ctx_pos.shape[0], batch.block_size
+    qs, qa, qp, qb = query_index(batch)
+    ks, kp, kb = key_index(batch)
+    spans, masks = [], []
+    for s in range(batch.cu_ctx.shape[0] - 1):
+        c0, c1 = int(batch.cu_ctx[s]), int(batch.cu_ctx[s + 1])
+        q0, q1 = int(batch.cu_blocks[s]) * B, int(batch.cu_blocks[s + 1]) * B
+        if q1 == q0:
+            continue  # a sequence without anchors has no queries
+        keys = torch.cat([torch.arange(c0, c1, device=kp.device), torch.arange(N + q0, N + q1, device=kp.device)])
+        q = slice(q0, q1)
+        per_kind = {
+            kind_: visible(qs[q, None], qa[q, None], qp[q, None], qb[q, None], ks[None, keys], kp[None, keys],
+                           kb[None, keys], _window(cfg, kind_))[None, None]
+            for kind_ in set(cfg.layer_types)
+        }
+        spans.append((q, keys))
+        masks.append([per_kind[t] for t in cfg.layer_types])
 
     def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=per_layer[index])
+        outs = [
+            F.scaled_dot_product_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], attn_mask=m[index])
+            for (rows, keys), m in zip(spans, masks)
+        ]
+        return torch.cat(outs, dim=2) if outs else q.new_zeros(q.shape)
 
     return attend

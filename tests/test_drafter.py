@@ -215,6 +215,11 @@ def test_flex_equals_sdpa_on_cuda(tiny_qwen3) -> None:
         a = _batch_logits(model, batch, head.embed, head.lm_head, "sdpa")
         b = _batch_logits(model, batch, head.embed, head.lm_head, "flex")
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-        la, _ = drafter_loss(model, batch, head.embed, head.lm_head, attention="sdpa")
-        lb, _ = drafter_loss(model, batch, head.embed, head.lm_head, attention="flex")
-        assert float(la) == pytest.approx(float(lb), rel=1e-2)
+        grads = {}
+        for kind in ("sdpa", "flex"):
+            model.zero_grad()
+            loss, _ = drafter_loss(model, batch, head.embed, head.lm_head, attention=kind)
+            loss.backward()
+            grads[kind] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
+        rel = (grads["sdpa"] - grads["flex"]).norm() / grads["sdpa"].norm()
+        assert float(rel) < 2e-2  # the backward too: forward agreement alone has hidden flex dK/dV bugs

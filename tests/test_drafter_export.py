@@ -102,3 +102,34 @@ def test_checkpoint_with_foreign_tensors_is_refused(run_dir, tmp_path) -> None:
     save_file(sd, str(ckpt / "model.safetensors"))
     with pytest.raises(InputError, match="unexpected"):
         export_drafter(ckpt, tmp_path / "x")
+
+
+def test_remote_code_export_loads_with_transformers_and_matches(run_dir, tiny_qwen3, tmp_path) -> None:
+    from transformers import AutoModel, DynamicCache
+
+    run, model = run_dir
+    out = export_drafter(run, tmp_path / "remote", remote_code=True)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    hf = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    ours = load_drafter(out, dtype=torch.float32)
+    head = load_target_head(tiny_qwen3)
+    H, B = model.config.hidden_size, model.config.block_size
+    feats = torch.randn(40, 5 * H)
+    ids = torch.tensor([7] + [model.config.mask_token_id] * (B - 1))
+    with torch.no_grad():
+        for S in (12, 40):  # 40 > sliding window 16: the sliding layer's mask matters
+            want = draft_logits(ours, feats[:S], 7, head.embed, head.lm_head)
+            hidden = hf(position_ids=torch.arange(S + B)[None], noise_embedding=head.embed[ids][None],
+                        target_hidden=feats[None, :S])
+            got = hf.compute_logits(hidden[0, 1:], lambda h: h @ head.lm_head.T)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        # incremental use, as DFlash decoding does: context in two pieces through the cache, block dropped between
+        cache = DynamicCache()
+        hf(position_ids=torch.arange(0, 20 + B)[None], noise_embedding=head.embed[ids][None],
+           target_hidden=feats[None, :20], past_key_values=cache, use_cache=True)
+        cache.crop(-B)  # drop the block, keep the 20 context positions
+        hidden = hf(position_ids=torch.arange(20, 40 + B)[None], noise_embedding=head.embed[ids][None],
+                    target_hidden=feats[None, 20:40], past_key_values=cache, use_cache=True)
+        got = hidden[0, 1:] @ head.lm_head.T
+    torch.testing.assert_close(got, draft_logits(ours, feats, 7, head.embed, head.lm_head), rtol=1e-4, atol=1e-4)

@@ -197,3 +197,32 @@ def test_vllm_backend_without_vllm_is_a_clear_error(tiny_qwen3, prompts_file, tm
         pytest.skip("vllm is installed here")
     with pytest.raises(ConfigError, match="pip install vllm"):
         run(_cfg(tiny_qwen3, prompts_file, tmp_path / "o.jsonl", backend="vllm"))
+
+
+def test_sigkill_mid_run_then_rerun_completes(tiny_qwen3, tmp_path):
+    import os
+    import signal
+    import time
+
+    N = 12
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"prompt number {i}: say something about {i * 7}\n" for i in range(N)))
+    out = tmp_path / "data.jsonl"
+    cmd = [sys.executable, "-m", "dflash.cli", "generate", "--model", str(tiny_qwen3), "--prompts", str(prompts),
+           "--out", str(out), "--batch-size", "1", "--max-new-tokens", "8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while proc.poll() is None and not (out.exists() and out.read_bytes().count(b"\n") >= 2):
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    killed_at = len(_records(out))
+    assert 0 < killed_at < N, "the kill must land mid-run for this test to say anything"
+    result = run(_cfg(tiny_qwen3, prompts, out, batch_size=1, max_new_tokens=8))
+    assert result.skipped >= killed_at - 1 and result.skipped + result.answered == N
+    recs = _records(out)
+    assert sorted(r["source_row"] for r in recs) == list(range(N))
+    ref = tmp_path / "ref.jsonl"
+    run(_cfg(tiny_qwen3, prompts, ref, batch_size=N, max_new_tokens=8))
+    assert {r["source_row"]: r for r in recs} == {r["source_row"]: r for r in _records(ref)}

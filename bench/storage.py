@@ -118,10 +118,21 @@ def read_store(url: str, out, verify: bool = True, cold: bool = True) -> float:
 
 def print_row(row: tuple, t_raw_w: float, t_raw_r: float, t_raw_warm: float, gbs) -> None:
     """Print one configuration's figures and their ratios to the raw file."""
-    codec, chunk, t_w, t_cold, t_warm, t_nov, ratio = row
+    codec, chunk, t_w, t_cold, t_warm, t_nov, ratio, t_direct = row
     print(f"{codec + ' c' + str(chunk):<22}{gbs(t_w):11.2f}{t_raw_w / t_w:7.2f}{gbs(t_cold):11.2f}"
           f"{t_raw_r / t_cold:7.2f}{gbs(t_warm):11.2f}{t_raw_warm / t_warm:7.2f}{gbs(t_nov):11.2f}"
-          f"{(t_warm - t_nov) / t_warm:11.1%}{ratio:10.3f}", flush=True)
+          f"{(t_warm - t_nov) / t_warm:11.1%}{ratio:10.3f}{gbs(t_direct):11.2f}{t_raw_r / t_direct:7.2f}", flush=True)
+
+
+def read_store_direct(url: str, out) -> float:
+    """Return seconds for a cold read of shard 0 with O_DIRECT chunk reads (what DFLASH_DIRECT_IO=1 selects)."""
+    from dflash.storage import fs
+
+    saved, fs.DIRECT_IO = fs.DIRECT_IO, hasattr(os, "O_DIRECT")
+    try:
+        return read_store(url, out)
+    finally:
+        fs.DIRECT_IO = saved
 
 
 def real_smollm2_bits(tokens: int) -> np.ndarray | None:
@@ -217,7 +228,7 @@ def run(args, root: str, cuda: bool) -> None:
     t_raw_warm = min(raw_read(raw, dst_np, threads) for _ in range(2))
     assert np.array_equal(dst_np.view(np.uint16).reshape(bits.shape)[-1], bits[-1])
     print(f"{'store':<22}{'write GB/s':>11}{'x raw':>7}{'read cold':>11}{'x raw':>7}{'read warm':>11}"
-          f"{'x raw':>7}{'no-verify':>11}{'verify cost':>12}{'disk/raw':>10}")
+          f"{'x raw':>7}{'no-verify':>11}{'verify cost':>12}{'disk/raw':>10}{'cold O_DIR':>11}{'x raw':>7}")
     rows = []
     configs = [("none", 512)] + [("blosc", int(c)) for c in args.chunks.split(",")] + [("fp8", 512)]
     for codec, chunk in configs:
@@ -228,12 +239,13 @@ def run(args, root: str, cuda: bool) -> None:
             t, rec = write_store(url, bits, codec, chunk)
             t_w.append(t)
             t_cold.append(read_store(url, pinned))
+        t_direct = min(read_store_direct(url, pinned) for _ in range(2))
         t_warm = min(read_store(url, pinned, cold=False) for _ in range(3))
         t_nov = min(read_store(url, pinned, verify=False, cold=False) for _ in range(3))
         if codec != "fp8":
             ok = torch.equal(pinned.view(torch.int16), torch.from_numpy(bits.reshape(-1).view(np.int16)))
             assert ok, f"{codec} read back differs"
-        rows.append((codec, chunk, min(t_w), min(t_cold), t_warm, t_nov, rec["bytes"] / nbytes))
+        rows.append((codec, chunk, min(t_w), min(t_cold), t_warm, t_nov, rec["bytes"] / nbytes, t_direct))
         shutil.rmtree(url, ignore_errors=True)
         print_row(rows[-1], min(raw_w), min(raw_cold), t_raw_warm, gbs)  # as it goes, in case time runs out
     print("# final table, against the best raw rounds of the whole run:")
@@ -244,7 +256,8 @@ def run(args, root: str, cuda: bool) -> None:
     print(f"# raw: write+fsync of one file; pread into the same kind of buffer, best of 1 stream and {threads} threads"
           f" over {len(raw_w)} rounds interleaved with the store runs; store: best of {args.repeat}")
     print("# x raw = raw time / store time (>= 1: as fast as raw); GB/s = raw bf16 bytes per second;"
-          " verify cost = share of warm read time spent on checksums; disk/raw = bytes on disk per raw bf16 byte")
+          " verify cost = share of warm read time spent on checksums; disk/raw = bytes on disk per raw bf16 byte;"
+          " cold O_DIR = cold read with DFLASH_DIRECT_IO=1")
     os.unlink(raw)
 
     real = None

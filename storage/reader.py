@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import CorruptShard, StoreError
 from .codec import decode_chunk_into, fp8_to_bf16_bits
-from .fs import StoreFS
+from .fs import StoreFS, aligned_buffer, is_aligned
 from .layout import FORMAT_VERSION, commit_path, record_digest, shard_dir
 
 if TYPE_CHECKING:
@@ -24,6 +24,9 @@ __all__ = ["ShardData", "load_record", "read_small", "read_features", "invariant
 log = logging.getLogger(__name__)
 
 SMALL_ARRAYS = {"input_ids": np.int32, "loss_mask": np.bool_, "offsets": np.int64, "sample_ids": np.int64}
+
+# Chunk files at least this big are read with O_DIRECT where possible (see LocalFS.read_into).
+DIRECT_MIN_BYTES = 1 << 20
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -97,15 +100,21 @@ def _read_file(fs: StoreFS, shard_id: int, record: dict, rel: str, into: memoryv
     if entry is None:
         raise CorruptShard(f"{fs.display(path)}: shard {shard_id}: chunk is not listed in its commit record; {fix}")
     n = int(entry["bytes"])
-    buf = into if into is not None and len(into) == n else memoryview(bytearray(n))
+    direct = n >= DIRECT_MIN_BYTES
+    if into is not None and len(into) == n:
+        buf = into
+    else:
+        buf = aligned_buffer(n) if direct else memoryview(bytearray(n))
     try:
-        got = fs.read_into(path, buf)
+        got = fs.read_into(path, buf, direct=direct)
     except FileNotFoundError:
         raise CorruptShard(f"{fs.display(path)}: shard {shard_id}: chunk file is missing; {fix}") from None
     except OSError as e:  # permissions, I/O errors: the bytes may be fine, the medium is not
         raise StoreError(f"{fs.display(path)}: shard {shard_id}: cannot read ({e.strerror or e}); check the disk") from e
     if got != n:
-        raise CorruptShard(f"{fs.display(path)}: shard {shard_id}: expected {n} bytes, found {got}; {fix}")
+        found = f"at least {got}" if got == len(buf) > n else str(got)
+        raise CorruptShard(f"{fs.display(path)}: shard {shard_id}: expected {n} bytes, found {found}; {fix}")
+    buf = buf[:n]
     if verify and xxhash.xxh3_64_hexdigest(buf) != entry["xxh3"]:
         raise CorruptShard(f"{fs.display(path)}: shard {shard_id}: checksum mismatch (expected xxh3 {entry['xxh3']}); {fix}")
     return buf
@@ -146,13 +155,14 @@ def read_features(
     def one(i: int) -> None:
         lo, hi = max(start, i * C), min(stop, (i + 1) * C)
         rel = f"features/c.{i}.0.0"
-        direct = not fp8 and lo == i * C and hi == (i + 1) * C
-        if direct:
+        if not fp8 and lo == i * C and hi == (i + 1) * C:  # a whole chunk: decode (or read) straight into dest
             target = dest[lo - start : hi - start]
-            into = memoryview(target).cast("B") if not compressed else None
+            view = memoryview(target).cast("B")
+            # Uncompressed bytes land in dest itself when O_DIRECT can take it (aligned), else via a buffer.
+            into = view if not compressed and (is_aligned(view) or len(view) < DIRECT_MIN_BYTES) else None
             stored = _read_file(fs, shard_id, record, rel, into, verify)
-            if compressed:
-                _decode(fs, shard_id, rel, stored, target, True)
+            if into is None:
+                _decode(fs, shard_id, rel, stored, target, compressed)
             return
         tmp = np.empty((C, L, H), stored_dtype)
         stored = _read_file(fs, shard_id, record, rel, None, verify)

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash.errors import ManifestMismatch, StoreError
+from dflash.errors import CorruptShard, ManifestMismatch, StoreError
 from dflash.storage import Store
 from dflash.storage.synthetic import synthetic_sample, write_synthetic_shard
 
@@ -123,6 +123,27 @@ def test_read_into_callers_buffer(tmp_path):
     assert torch.equal(data.features.view(torch.int16), store.read_shard(0).features.view(torch.int16))
     with pytest.raises(StoreError, match="at least"):
         store.read_shard(0, out=torch.empty(10, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("codec", ["none", "blosc"])
+def test_big_chunks_direct_io_into_aligned_and_unaligned_buffers(tmp_path, monkeypatch, codec, direct):
+    # 2 MiB chunks take the O_DIRECT path when enabled (and the file system allows it); buffers must not matter.
+    monkeypatch.setattr("dflash.storage.fs.DIRECT_IO", direct)
+    hdr = {"layer_ids": [0, 1], "hidden_size": 1024, "codec": codec, "shard_plan": {"num_shards": 1}}
+    store = Store.create_or_open(str(tmp_path), hdr, chunk_tokens=512)
+    rec = write_synthetic_shard(store, 0, num_samples=6, max_len=600)
+    n = rec["num_tokens"] * 2 * 1024
+    big = torch.empty(n + 8192, dtype=torch.bfloat16)
+    skip = (-big.data_ptr() % 4096) // 2
+    for offset in (skip, skip + 1):  # page-aligned, then misaligned by one element
+        data = store.read_shard(0, out=big[offset:])
+        for i in range(6):
+            np.testing.assert_array_equal(bits_of(data.sample(i)[2]), synthetic_sample(0, i, 2, 1024, 600)[2])
+    chunk = tmp_path / "shards/00000/features/c.1.0.0"
+    chunk.write_bytes(chunk.read_bytes()[:-4096])
+    with pytest.raises(CorruptShard, match="c.1.0.0"):
+        store.read_shard(0)
 
 
 def test_empty_shard_commits(tmp_path):

@@ -196,7 +196,7 @@ def run_eval(drafter: str, store_url: str, *, target: str | None = None, shards:
     model = model.to(device)
     head = load_target_head(head_dir, dtype=torch.float32, device=device)
     out = evaluate_shards(model, head, store, ids, batch_tokens=batch_tokens, anchors=anchors, device=device,
-                          attention="sdpa", skip_corrupt=skip_corrupt)
+                          attention="flex" if device.type == "cuda" else "sdpa", skip_corrupt=skip_corrupt)
     out.update(drafter=str(folder), store=store_url, split=split)
     return out
 

@@ -56,18 +56,29 @@ class _ShardPrefetcher:
         self.touched: set[int] = set()
         self.stop = False
         self.corrupt: list[int] = []
+        self.buffers: dict[int, Any] = {}  # pinned memory of each shard held
+        self.free: list[Any] = []  # pinned memory of released shards, for reuse
         self.thread = threading.Thread(target=self._run, name="dflash-prefetch", daemon=True)
         self.thread.start()
 
     def _read(self, sid: int) -> "ShardData":
-        out = None
-        if self.pin:
-            import torch
+        if not self.pin:
+            return self.store.read_shard(sid)
+        import torch
 
-            rec = self.store.commit_record(sid)
-            n = int(rec["num_tokens"]) * len(self.store.header["layer_ids"]) * int(self.store.header["hidden_size"])
-            out = torch.empty(max(1, n), dtype=torch.bfloat16, pin_memory=True)
-        return self.store.read_shard(sid, out=out)
+        rec = self.store.commit_record(sid)
+        n = max(1, int(rec["num_tokens"]) * len(self.store.header["layer_ids"]) * int(self.store.header["hidden_size"]))
+        # Pinning memory is slow (it maps and locks every page), so released buffers are reused for later shards.
+        with self.cond:
+            fits = [b for b in self.free if b.numel() >= n]
+            buf = min(fits, key=lambda b: b.numel()) if fits else None
+            if buf is not None:
+                self.free.remove(buf)
+        if buf is None:
+            buf = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+        with self.cond:
+            self.buffers[sid] = buf
+        return self.store.read_shard(sid, out=buf)
 
     def _run(self) -> None:
         for sid in self.order:
@@ -106,6 +117,9 @@ class _ShardPrefetcher:
         """Drop a shard nobody needs any more, making room for the next read."""
         with self.cond:
             self.ready.pop(sid, None)
+            buf = self.buffers.pop(sid, None)
+            if buf is not None:
+                self.free = sorted([*self.free, buf], key=lambda b: b.numel())[-4:]  # keep the largest few
         self.slots.release()
 
     def depth(self) -> int:
@@ -232,6 +246,14 @@ class RoundStream:
             if self.error is not None:
                 raise self.error
             raise StopIteration
+        if self.device.type == "cuda":
+            import torch
+
+            # Made on the side stream, used and freed on the training stream: tell the allocator.
+            current = torch.cuda.current_stream(self.device)
+            for batch in item.micro:
+                for name in batch.__dataclass_fields__ if batch is not None else ():
+                    getattr(batch, name).record_stream(current)
         return item
 
     def get(self) -> tuple[StepData | None, float]:

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -103,6 +104,21 @@ def _read_marker(folder: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def _remove_orphans(root: Path, max_age_s: float = 3600.0) -> None:
+    """Delete temporary conversion folders left by killed converters (older than any live conversion can be).
+
+    Age, not the writer's pid, decides: the cache may be shared by machines whose pids mean nothing here.
+    """
+    now = time.time()
+    for tmp in root.glob(f".{SMOLLM2_FOLDER_NAME}.*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > max_age_s:
+                log.info("removing %s, left by an interrupted conversion", tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
+        except FileNotFoundError:
+            pass
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "bfloat16") -> Path:
     """Return `out` after writing a Hugging Face folder (model in `dtype`, tokenizer, chat template) from a GGUF file.
 
@@ -166,6 +182,7 @@ def smollm2_folder() -> Path:
             f"{root}: expected a writable cache folder for the converted SmolLM2 model, found {e.strerror}; "
             "set DFLASH_CACHE to a writable folder"
         ) from None
+    _remove_orphans(root)
     tmp = root / f".{SMOLLM2_FOLDER_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         convert_gguf(gguf_path, tmp, dtype="bfloat16")

@@ -41,7 +41,11 @@ def features_to_bits(features: Any) -> np.ndarray:
 
 class ShardWriter:
     """Context manager over one claimed shard: append samples, then commit(); leaving without commit releases the
-    claim and leaves the partial data as garbage (no reader sees a shard without its commit record)."""
+    claim and leaves the partial data as garbage (no reader sees a shard without its commit record).
+
+    Call it from one thread; it encodes, writes and fsyncs whole chunks in its own small pool, so append() costs
+    one copy of the features (the caller may reuse its buffer as soon as append returns).
+    """
 
     def __init__(self, store: "Store", shard_id: int, claim: claims.Claim, chunk_tokens: int, threads: int) -> None:
         self.store = store

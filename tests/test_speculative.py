@@ -1,0 +1,140 @@
+"""DFlash speculative decoding on a tiny random fp32 target: output == greedy, exact acceptance, exact features."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash.errors import InputError
+from dflash.facts import build_target_layer_ids
+from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.speculative import (
+    compare_on_prompts,
+    drafter_proposer,
+    greedy_decode,
+    load_target,
+    open_drafter,
+    speculative_decode,
+)
+
+PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8, 250, 11, 60], [33]]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_qwen3):
+    return load_target(tiny_qwen3)
+
+
+@pytest.fixture(scope="module")
+def layer_ids(target):
+    return build_target_layer_ids(target.config.num_hidden_layers)
+
+
+def _drafter(target_dir, layer_ids, block_size: int, seed: int = 0) -> DFlashDrafter:
+    cfg = DrafterConfig.from_target(target_dir, target_layer_ids=layer_ids, mask_token_id=259, draft_layers=1,
+                                    block_size=block_size)
+    torch.manual_seed(seed)
+    model = DFlashDrafter(cfg).eval()
+    with torch.no_grad():  # weights large enough that the drafter's choices depend on its inputs
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def _oracle(target, prompt, layer_ids, reference, block_size, rng, checked):
+    """A proposer that drafts the known greedy answer but breaks a random slot, and checks the context it is given.
+
+    It records the acceptance each block must reach, and compares the features it receives with a full forward of
+    the accepted sequence without cache (output_hidden_states[i + 1]).
+    """
+    expected: list[int] = []
+
+    def propose(context, anchor_id, anchor_pos):
+        done = anchor_pos - len(prompt) + 1  # generated tokens so far (the anchor is the newest)
+        assert anchor_id == reference[done - 1] and context.shape[0] == anchor_pos
+        seq = torch.tensor([list(prompt) + reference[: done - 1]])
+        with torch.no_grad():
+            hs = target(input_ids=seq, output_hidden_states=True).hidden_states
+        full = torch.cat([hs[i + 1][0] for i in layer_ids], -1)
+        torch.testing.assert_close(context, full, rtol=1e-4, atol=1e-5)
+        checked.append(anchor_pos)
+        drafts = list(reference[done: done + block_size - 1])
+        drafts += [0] * (block_size - 1 - len(drafts))
+        wrong = rng.randrange(block_size)  # == block_size - 1: every draft right
+        if wrong < block_size - 1:
+            drafts[wrong] = (drafts[wrong] + 1) % 259
+        # Drafts equal to the answer up to `wrong` are accepted, plus the target's own next token.
+        expected.append(min(wrong, block_size - 1) + 1)
+        return torch.tensor(drafts)
+
+    return propose, expected
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_random_drafter_output_equals_greedy_and_hf_generate(tiny_qwen3, target, layer_ids, block_size):
+    drafter = _drafter(tiny_qwen3, layer_ids, block_size)
+    propose = drafter_proposer(drafter, target)
+    for prompt in PROMPTS:
+        plain = greedy_decode(target, prompt, max_new_tokens=40)
+        spec = speculative_decode(target, propose, prompt, block_size=block_size, layer_ids=layer_ids,
+                                  max_new_tokens=40)
+        hf = target.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        assert plain.tokens == hf[0, len(prompt):].tolist()
+        assert spec.tokens == plain.tokens and len(spec.tokens) == 40
+        assert plain.forwards == 40
+        assert spec.forwards == 1 + len(spec.accepted) and len(spec.tokens) == 1 + sum(spec.accepted)
+        assert all(1 <= a <= block_size for a in spec.accepted)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_acceptance_is_exactly_the_matching_prefix_and_context_features_are_exact(target, layer_ids, seed):
+    block_size, prompt = 6, PROMPTS[seed % len(PROMPTS)]
+    reference = greedy_decode(target, prompt, max_new_tokens=80).tokens
+    checked: list[int] = []
+    propose, expected = _oracle(target, prompt, layer_ids, reference, block_size, random.Random(seed), checked)
+    spec = speculative_decode(target, propose, prompt, block_size=block_size, layer_ids=layer_ids, max_new_tokens=60)
+    assert spec.tokens == reference[:60]
+    # The last block may be cut at max_new_tokens; every other block gained exactly what the oracle allowed.
+    assert spec.accepted[:-1] == expected[:-1] and spec.accepted[-1] <= expected[-1]
+    assert max(spec.accepted) > 2 and spec.forwards < 60 / 2
+    assert len(checked) == len(spec.accepted)
+
+
+def test_stop_token_ends_both_decodings_at_the_same_place(tiny_qwen3, target, layer_ids):
+    prompt = PROMPTS[1]
+    reference = greedy_decode(target, prompt, max_new_tokens=30).tokens
+    stop = reference[12]
+    first = reference.index(stop)
+    drafter = _drafter(tiny_qwen3, layer_ids, 4, seed=3)
+    plain = greedy_decode(target, prompt, max_new_tokens=30, stop_ids=[stop])
+    spec = speculative_decode(target, drafter_proposer(drafter, target), prompt, block_size=4, layer_ids=layer_ids,
+                              max_new_tokens=30, stop_ids=[stop])
+    assert plain.tokens == reference[: first + 1] == spec.tokens
+
+
+def test_compare_on_prompts_reports_tau_and_forwards(tiny_qwen3, target, layer_ids, tmp_path):
+    from dflash.train.export import save_checkpoint_files
+
+    drafter = _drafter(tiny_qwen3, layer_ids, 4)
+    folder = save_checkpoint_files(drafter, tmp_path / "run" / "checkpoints" / "step-000003")
+    loaded = open_drafter(tmp_path / "run")  # a run folder: its newest checkpoint
+    assert torch.equal(loaded.fc.weight, drafter.fc.weight) and folder.parent.parent == tmp_path / "run"
+    seen = []
+    report = compare_on_prompts(target, loaded, PROMPTS, max_new_tokens=20,
+                                on_prompt=lambda i, row: seen.append((i, row["tau"])))
+    assert report["prompts"] == 3 and report["identical"] and report["identical_prompts"] == 3
+    assert report["tokens"] == 60 and report["forwards_greedy"] == 60
+    blocks = report["forwards_speculative"] - 3
+    assert report["tau"] == pytest.approx((60 - 3) / blocks)
+    assert report["speedup_forwards"] == pytest.approx(60 / report["forwards_speculative"])
+    assert [i for i, _ in seen] == [0, 1, 2]
+
+
+def test_open_drafter_names_the_missing_folder(tmp_path):
+    with pytest.raises(InputError, match="no folder"):
+        open_drafter(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="dflash train"):
+        open_drafter(tmp_path / "empty")

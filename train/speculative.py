@@ -1,0 +1,251 @@
+"""DFlash speculative decoding: draft a block from the target's features, verify it in one target forward, repeat.
+
+The loop, per prompt: a prefill forward gives the first token and the features of the prompt; then, block after
+block, the drafter proposes B-1 tokens after the anchor (the newest token, whose features the target has not made
+yet), the target runs once over [anchor, drafts] with its KV cache, the longest prefix of drafts equal to the
+target's own choices is accepted together with the target's next token, the cache is cut back to what was accepted,
+and the features of the accepted positions join the context. At temperature 0 the output is, by construction, the
+target's greedy decoding; `greedy_decode` is the baseline it is compared with, token for token and in forwards.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import InputError
+from .model import DFlashDrafter, draft_logits
+
+__all__ = [
+    "Decoded",
+    "Proposer",
+    "drafter_proposer",
+    "open_drafter",
+    "load_target",
+    "greedy_decode",
+    "speculative_decode",
+    "compare_one",
+    "summarize",
+    "compare_on_prompts",
+]
+
+log = logging.getLogger(__name__)
+
+# propose(context_features [S, n*H], anchor_id, anchor_pos) -> draft token ids [B-1] for positions anchor_pos+1...
+Proposer = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+@dataclass
+class Decoded:
+    """One decoded answer: generated token ids, tokens gained per verified block, and target forward passes.
+
+    Invariants: len(tokens) == 1 + sum(accepted) for speculative decoding (the prefill gives the first token);
+    forwards == 1 + len(accepted); greedy decoding has no blocks and one forward per token.
+    """
+
+    tokens: list[int]
+    forwards: int
+    accepted: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Return the mean acceptance length: tokens gained per verified block (accepted drafts + 1); 0 if none."""
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+
+
+def open_drafter(path: str | os.PathLike, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """Return the drafter of an export folder, a checkpoint folder or a training run (its newest checkpoint)."""
+    from .export import CHECKPOINT_CONFIG, find_checkpoint, load_drafter
+
+    p = Path(path)
+    if not p.is_dir():
+        raise InputError(f"--drafter {p}: expected an export folder (`dflash export`) or a run folder "
+                         "(`dflash train --out`), found no folder; run `dflash export --run RUN --out DIR`")
+    if (p / "config.json").is_file() or (p / CHECKPOINT_CONFIG).is_file():
+        model = load_drafter(p, device=device, dtype=dtype)
+    else:
+        model = load_drafter(find_checkpoint(p), device=device, dtype=dtype)
+    return model.eval()
+
+
+def load_target(path: str | os.PathLike, *, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> Any:
+    """Return the target causal LM of a Hugging Face folder, in eval mode on device (fp32 by default: greedy ties)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise InputError(f"--target {path}: expected a Hugging Face causal LM folder; "
+                         f"{str(e).splitlines()[0][:200]}") from None
+    return model.to(device).eval()
+
+
+def drafter_proposer(drafter: DFlashDrafter, target: Any) -> Proposer:
+    """Return the Proposer that drafts greedily with a DFlash drafter and the target's own embedding and lm_head."""
+    embed = target.get_input_embeddings().weight
+    head = target.get_output_embeddings().weight
+    dtype = drafter.fc.weight.dtype
+
+    def propose(features: torch.Tensor, anchor_id: int, anchor_pos: int) -> torch.Tensor:
+        logits = draft_logits(drafter, features.to(dtype), anchor_id, embed.to(dtype), head.to(dtype), anchor_pos)
+        return logits.argmax(-1)
+
+    return propose
+
+
+def _features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
+    """Return [T, n*H]: the outputs of decoder layers layer_ids (hidden_states[i + 1]) of batch row 0, layer-major."""
+    return torch.cat([hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+
+
+def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Return the target's token for each row of logits [N, V]: argmax at temperature 0, else a sample."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _cut(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple[list[int], bool]:
+    """Return (tokens cut after the first stop token or at max_new_tokens, whether decoding is finished)."""
+    for i, t in enumerate(tokens[:max_new_tokens]):
+        if t in stop_ids:
+            return tokens[: i + 1], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+def _keep(cache: Any, length: int) -> None:
+    """Cut a transformers cache back to its first `length` positions (crop takes how many to drop, negated)."""
+    drop = cache.get_seq_length() - length
+    if drop > 0:
+        cache.crop(-drop)
+
+
+@torch.no_grad()
+def greedy_decode(target: Any, prompt_ids: Sequence[int], *, max_new_tokens: int,
+                  stop_ids: Sequence[int] = (), temperature: float = 0.0,
+                  generator: torch.Generator | None = None) -> Decoded:
+    """Return the target's plain autoregressive decoding (one forward per token, KV cache), the baseline."""
+    from transformers import DynamicCache
+
+    device = target.device
+    cache = DynamicCache()
+    stops = set(int(s) for s in stop_ids)
+    ids = torch.tensor([list(prompt_ids)], device=device)
+    out: list[int] = []
+    forwards = 0
+    while True:
+        logits = target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+        forwards += 1
+        tok = int(_choose(logits[0, -1:], temperature, generator)[0])
+        out.append(tok)
+        out, done = _cut(out, max_new_tokens, stops)
+        if done:
+            return Decoded(tokens=out, forwards=forwards)
+        ids = torch.tensor([[tok]], device=device)
+
+
+@torch.no_grad()
+def speculative_decode(target: Any, propose: Proposer, prompt_ids: Sequence[int], *, block_size: int,
+                       layer_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                       temperature: float = 0.0, generator: torch.Generator | None = None) -> Decoded:
+    """Return the DFlash speculative decoding of one prompt: tokens, tokens gained per block, target forwards.
+
+    `propose` drafts B-1 tokens from the context features; every draft is checked against the target's own choice
+    at its position (argmax, or a sample at temperature > 0, which keeps the output distributed as the target's).
+    """
+    from transformers import DynamicCache
+
+    if block_size < 2:
+        raise InputError(f"block size must be >= 2, got {block_size}")
+    if not prompt_ids:
+        raise InputError("speculative decoding needs a prompt of at least one token, got none")
+    device = target.device
+    stops = set(int(s) for s in stop_ids)
+    cache = DynamicCache()
+    prompt = torch.tensor([list(prompt_ids)], device=device)
+    out = target(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1, output_hidden_states=True)
+    context = _features(out.hidden_states, layer_ids)  # features of positions 0..S-1
+    tokens = [int(_choose(out.logits[0, -1:], temperature, generator)[0])]
+    accepted: list[int] = []
+    forwards = 1
+    tokens, done = _cut(tokens, max_new_tokens, stops)
+    while not done:
+        anchor_pos = context.shape[0]  # the newest token: known, but not yet run through the target
+        drafts = propose(context, tokens[-1], anchor_pos)[: block_size - 1].to(device)
+        block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts]).long()[None]
+        out = target(input_ids=block, cache=cache, use_cache=True, output_hidden_states=True)
+        forwards += 1
+        choice = _choose(out.logits[0], temperature, generator)  # choice[k]: the target's token at anchor_pos+k+1
+        match = (block[0, 1:] == choice[:-1]).int()
+        n_ok = int(match.cumprod(0).sum())
+        new = block[0, 1:1 + n_ok].tolist() + [int(choice[n_ok])]
+        kept, done = _cut(tokens + new, max_new_tokens, stops)
+        accepted.append(len(kept) - len(tokens))
+        tokens = kept
+        # Keep the cache and the context for the anchor and the accepted drafts; the rejected tail is forgotten.
+        _keep(cache, anchor_pos + n_ok + 1)
+        context = torch.cat([context, _features(out.hidden_states, layer_ids)[: n_ok + 1]])
+    return Decoded(tokens=tokens, forwards=forwards, accepted=accepted)
+
+
+def compare_one(target: Any, propose: Proposer, prompt_ids: Sequence[int], *, block_size: int,
+                layer_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> dict[str, Any]:
+    """Return one prompt's row: tau, blocks, tokens, forwards of greedy and speculative decoding, identical, seconds."""
+    import time
+
+    t0 = time.perf_counter()
+    plain = greedy_decode(target, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    t1 = time.perf_counter()
+    spec = speculative_decode(target, propose, prompt_ids, block_size=block_size, layer_ids=layer_ids,
+                              max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    t2 = time.perf_counter()
+    return dict(tau=spec.tau, blocks=len(spec.accepted), tokens=len(spec.tokens), forwards_greedy=plain.forwards,
+                forwards_speculative=spec.forwards, identical=plain.tokens == spec.tokens,
+                seconds_greedy=t1 - t0, seconds_speculative=t2 - t1)
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Return the totals of compare_one rows: tau over all blocks, forwards, speed-up in forwards, exactness.
+
+    Keys: prompts, tau (tokens gained per block over every block), tau_per_prompt, tokens, forwards_greedy,
+    forwards_speculative, speedup_forwards (greedy forwards / speculative forwards), identical (every prompt),
+    identical_prompts, seconds_greedy, seconds_speculative.
+    """
+    blocks = sum(r["blocks"] for r in rows)
+    gained = sum(r["tokens"] - 1 for r in rows)  # every token but the prefill's came from a block
+    fg, fs = sum(r["forwards_greedy"] for r in rows), sum(r["forwards_speculative"] for r in rows)
+    return {
+        "prompts": len(rows),
+        "tau": gained / blocks if blocks else 0.0,
+        "tau_per_prompt": [round(r["tau"], 4) for r in rows],
+        "tokens": sum(r["tokens"] for r in rows),
+        "forwards_greedy": fg,
+        "forwards_speculative": fs,
+        "speedup_forwards": fg / fs if fs else 0.0,
+        "identical": all(r["identical"] for r in rows),
+        "identical_prompts": sum(bool(r["identical"]) for r in rows),
+        "seconds_greedy": sum(r["seconds_greedy"] for r in rows),
+        "seconds_speculative": sum(r["seconds_speculative"] for r in rows),
+    }
+
+
+def compare_on_prompts(target: Any, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *,
+                       max_new_tokens: int, stop_ids: Sequence[int] = (),
+                       on_prompt: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Return `summarize` of greedy speculative decoding against plain greedy decoding over the prompts."""
+    propose = drafter_proposer(drafter, target)
+    rows = []
+    for i, ids in enumerate(prompts):
+        rows.append(compare_one(target, propose, ids, block_size=drafter.config.block_size,
+                                layer_ids=drafter.config.target_layer_ids, max_new_tokens=max_new_tokens,
+                                stop_ids=stop_ids))
+        if on_prompt is not None:
+            on_prompt(i, rows[-1])
+    return summarize(rows)

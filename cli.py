@@ -270,9 +270,18 @@ def generate(**opts: Any) -> None:
 
 @cli.command()
 @config_option
+@click.option("--out", default="dflash-demo", show_default=True, help="Folder for every stage's output (rerun to resume).")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
+@click.option("--budget", default="full", hidden=True, type=click.Choice(["full", "tiny"]),
+              help="tiny: a few prompts and steps (the slow test's reduced budget).")
 def demo(**opts: Any) -> None:
     """The whole recipe on the embedded SmolLM2 target: generate, extract, train, evaluate, export, decode."""
-    _not_built("demo", "it arrives with the demo issue")
+    from .config import DemoConfig
+
+    cfg = DemoConfig(**opts)
+    from . import demo as stage
+
+    click.echo(stage.format_table(stage.run(cfg)))
 
 
 def main(argv: list[str] | None = None) -> None:

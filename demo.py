@@ -1,0 +1,283 @@
+"""`dflash demo`: the whole recipe on the embedded SmolLM2 target, ending in a measured acceptance length.
+
+Stages: convert the target -> answer the bundled prompts with it -> extract the whole store -> train a small drafter
+(some shards held out) -> tau_hat on the held-out shards -> export -> speculative decoding of the held-out prompts
+against plain greedy decoding -> the final table (printed, and written as OUT/summary.json) and the training curve.
+Every stage is resumable on its own (generate, extract and train resume themselves; decoding appends one line per
+prompt), and OUT/demo-state.json records the finished stages, so a rerun after an interruption continues.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .config import DemoConfig
+
+__all__ = ["Budget", "BUDGETS", "run", "format_table"]
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "demo-state.json"
+SUMMARY_FILE = "summary.json"
+DECODE_FILE = "decode.jsonl"
+CURVE_FILE = "training-curve.png"
+# SmolLM2's tokenizer covers every embedding row, so the mask token must be a special token chat never uses:
+# id 16 is <empty_output>, a code-data marker of its pre-training.
+SMOLLM2_MASK_TOKEN = 16
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much of each stage the demo runs: prompts and answer length, shards, drafter shape and steps, decoding."""
+
+    prompts: int  # bundled prompts answered (the first N)
+    gen_tokens: int  # answer length cap of `generate`
+    gen_batch: int
+    shard_rows: int  # source rows per shard; the held-out split is by shard
+    val_fraction: float
+    draft_layers: int
+    block_size: int
+    steps: int
+    batch_tokens: int
+    anchors: int
+    lr: float
+    decode_prompts: int  # held-out prompts decoded speculatively and greedily
+    decode_tokens: int
+
+
+BUDGETS = {
+    # Sized for a 2-core CPU (about 20 minutes with set-up); a GPU runs the same recipe in a fraction of it.
+    "full": Budget(prompts=329, gen_tokens=160, gen_batch=16, shard_rows=16, val_fraction=0.1, draft_layers=2,
+                   block_size=8, steps=600, batch_tokens=2048, anchors=48, lr=2e-3, decode_prompts=16,
+                   decode_tokens=128),
+    # The reduced budget of the slow test: every stage runs for real, on a handful of prompts.
+    "tiny": Budget(prompts=20, gen_tokens=24, gen_batch=10, shard_rows=5, val_fraction=0.25, draft_layers=1,
+                   block_size=4, steps=6, batch_tokens=512, anchors=8, lr=2e-3, decode_prompts=2, decode_tokens=16),
+}
+
+
+class _State:
+    """The demo's record of finished stages (OUT/demo-state.json), rewritten atomically after each stage."""
+
+    def __init__(self, out: Path, cfg: "DemoConfig") -> None:
+        self.path = out / STATE_FILE
+        self.data: dict[str, Any] = {"config": cfg.to_dict(), "stages": {}}
+        if self.path.is_file():
+            saved = json.loads(self.path.read_text(encoding="utf-8"))
+            if saved.get("config", {}).get("budget") != cfg.budget:
+                raise ConfigError(
+                    f"--out {out}: holds a demo run with --budget {saved.get('config', {}).get('budget')}, "
+                    f"asked for --budget {cfg.budget}; rerun with the same budget or choose a new --out"
+                )
+            self.data["stages"] = saved.get("stages", {})
+
+    def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Return the stage's recorded result, or run it now, time it, and record it."""
+        done = self.data["stages"].get(name)
+        if done is not None:
+            log.info("demo: %s already done (%.0f s); skipping", name, done["seconds"])
+            return done
+        log.info("demo: %s ...", name)
+        t0 = time.perf_counter()
+        result = fn()
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        self.data["stages"][name] = result
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path)
+        log.info("demo: %s done in %.0f s", name, result["seconds"])
+        return result
+
+
+def _write_prompts(out: Path, n: int) -> Path:
+    """Return OUT/prompts.jsonl: the first n bundled prompts (rewritten only if different, so reruns resume)."""
+    from .assets import prompts_path
+
+    lines = [ln for ln in prompts_path().read_text(encoding="utf-8").splitlines() if ln.strip()][:n]
+    path = out / "prompts.jsonl"
+    text = "\n".join(lines) + "\n"
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _held_out_prompts(store_dir: Path, answers: Path, run_dir: Path, target: Path, n: int) -> list[list[int]]:
+    """Return the token ids (chat template, generation prompt) of the first n prompts of the held-out shards."""
+    from transformers import AutoTokenizer
+
+    from .extract.data import read_rows
+    from .storage import Store
+    from .train.checkpoint import read_run_record
+
+    store = Store.open(str(store_dir))
+    val = read_run_record(run_dir)["resolved"]["val_shards"]
+    rows = read_rows((str(answers),))
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    prompts = []
+    for sid in val:
+        for row in store.read_shard(sid).sample_ids.tolist():
+            messages = rows[int(row)].messages[:-1]  # drop the target's own answer: it is what we decode
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+    return prompts[:n]
+
+
+def _decode(out: Path, cfg: "DemoConfig", budget: Budget, prompts: list[list[int]], target_dir: Path) -> dict:
+    """Return the summary of speculative vs greedy decoding of the prompts, resuming from OUT/decode.jsonl."""
+    import torch
+
+    from .train.speculative import compare_one, drafter_proposer, load_target, open_drafter, summarize
+
+    device = "cuda" if cfg.device == "cuda" else "cpu"
+    # fp32 both ways: greedy ties then break the same in a one-token step and in a block verification.
+    target = load_target(target_dir, device=device, dtype=torch.float32)
+    drafter = open_drafter(out / "drafter", device=device, dtype=torch.float32)
+    stops = sorted({int(t) for t in [target.generation_config.eos_token_id] if t is not None}
+                   if not isinstance(target.generation_config.eos_token_id, list)
+                   else set(target.generation_config.eos_token_id))
+    path = out / DECODE_FILE
+    rows = [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()] if path.is_file() else []
+    rows = rows[: len(prompts)]
+    propose = drafter_proposer(drafter, target)
+    with open(path, "a", encoding="utf-8") as f:
+        for i in range(len(rows), len(prompts)):
+            row = compare_one(target, propose, prompts[i], block_size=drafter.config.block_size,
+                              layer_ids=drafter.config.target_layer_ids, max_new_tokens=budget.decode_tokens,
+                              stop_ids=stops)
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            log.info("decode %d/%d: %d tokens, tau %.2f, %s greedy", i + 1, len(prompts), row["tokens"], row["tau"],
+                     "same as" if row["identical"] else "DIFFERENT from")
+    return summarize(rows)
+
+
+def run(cfg: "DemoConfig") -> dict[str, Any]:
+    """Return the final table (also printed and written to OUT/summary.json) after running every stage left."""
+    from .assets import smollm2_folder
+    from .config import ExtractConfig, GenerateConfig, TrainConfig
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    budget = BUDGETS[cfg.budget]
+    out = Path(cfg.out).resolve()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: expected a folder for the demo's outputs, found a file; pass another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    state = _State(out, cfg)
+    cfg.save(out / "demo-config.json")
+    started = time.perf_counter()
+    gpus = "0" if cfg.device == "cuda" else "cpu"
+    target = smollm2_folder()
+    answers, store_dir, run_dir, drafter_dir = out / "answers.jsonl", out / "store", out / "run", out / "drafter"
+
+    def generate() -> dict[str, Any]:
+        from .extract.generate import run as gen
+
+        r = gen(GenerateConfig(model=str(target), prompts=str(_write_prompts(out, budget.prompts)),
+                               out=str(answers), max_new_tokens=budget.gen_tokens, batch_size=budget.gen_batch,
+                               device=cfg.device))
+        return {"prompts": r.prompts, "answered_now": r.answered, "new_tokens": r.new_tokens}
+
+    def extract() -> dict[str, Any]:
+        from .extract import run as ext
+
+        s = ext(ExtractConfig(model=str(target), data=(str(answers),), out=str(store_dir), gpus=gpus,
+                              shard_size=budget.shard_rows, max_length=1024, batch_tokens=8192, min_loss_tokens=4,
+                              mask_token_id=SMOLLM2_MASK_TOKEN, dtype="float32"))
+        return {"samples": s["samples"], "tokens": s["tokens"], "bytes": _dir_bytes(store_dir)}
+
+    def train() -> dict[str, Any]:
+        from .train import run as tr
+        from .train.metrics import read_metrics
+
+        tr(TrainConfig(store=str(store_dir), target=str(target), out=str(run_dir), gpus=gpus, epochs=1000,
+                       max_steps=budget.steps, batch_tokens=budget.batch_tokens, lr=budget.lr,
+                       draft_layers=budget.draft_layers, block_size=budget.block_size, anchors=budget.anchors,
+                       val_fraction=budget.val_fraction, resume=True, save_every=max(1, budget.steps // 6),
+                       log_every=max(1, budget.steps // 30), dtype="float32", warmup_ratio=0.04))
+        vals = [m for m in read_metrics(run_dir) if m.get("split") == "val"]
+        return {"steps": budget.steps, "val_tau_hat": vals[-1]["tau_hat"] if vals else None}
+
+    def evaluate() -> dict[str, Any]:
+        from .train.evaluate import run_eval
+
+        r = run_eval(str(run_dir), str(store_dir))
+        return {k: r[k] for k in ("tau_hat", "loss", "acc", "accept_rate", "blocks", "tokens", "shards")}
+
+    def export() -> dict[str, Any]:
+        from .train.export import export_drafter
+
+        export_drafter(str(run_dir), str(drafter_dir))
+        return {"path": str(drafter_dir), "bytes": _dir_bytes(drafter_dir)}
+
+    def decode() -> dict[str, Any]:
+        prompts = _held_out_prompts(store_dir, answers, run_dir, target, budget.decode_prompts)
+        return _decode(out, cfg, budget, prompts, target)
+
+    gen_r = state.stage("generate", generate)
+    ext_r = state.stage("extract", extract)
+    tr_r = state.stage("train", train)
+    ev_r = state.stage("eval", evaluate)
+    state.stage("export", export)
+    dec_r = state.stage("decode", decode)
+    curve = run_dir / "curves.png"
+    if curve.is_file():
+        shutil.copyfile(curve, out / CURVE_FILE)
+    table = {
+        "target": "SmolLM2-135M-Instruct (embedded)",
+        "device": cfg.device,
+        "budget": cfg.budget,
+        "prompts_answered": gen_r["prompts"],
+        "tokens_extracted": ext_r["tokens"],
+        "store_bytes": ext_r["bytes"],
+        "training_seconds": tr_r["seconds"],
+        "training_steps": tr_r["steps"],
+        "drafter": f"{budget.draft_layers} layers, block {budget.block_size}",
+        "tau_hat": round(ev_r["tau_hat"], 3),
+        "tau": round(dec_r["tau"], 3),
+        "held_out_prompts_decoded": dec_r["prompts"],
+        "speedup_target_forwards": round(dec_r["speedup_forwards"], 3),
+        "forwards_greedy": dec_r["forwards_greedy"],
+        "forwards_speculative": dec_r["forwards_speculative"],
+        "identical_to_greedy": bool(dec_r["identical"]),
+        "identical_prompts": dec_r["identical_prompts"],
+        "stage_seconds": {k: v["seconds"] for k, v in state.data["stages"].items()},
+        "this_run_seconds": round(time.perf_counter() - started, 1),
+        "training_curve": str(out / CURVE_FILE) if (out / CURVE_FILE).is_file() else None,
+    }
+    tmp = out / f".{SUMMARY_FILE}.tmp"
+    tmp.write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out / SUMMARY_FILE)
+    return table
+
+
+def format_table(t: dict[str, Any]) -> str:
+    """Return the final table as aligned text lines."""
+    rows = [
+        ("target", f"{t['target']} on {t['device']}"),
+        ("tokens extracted", f"{t['tokens_extracted']:,} ({t['prompts_answered']} prompts answered)"),
+        ("store size", f"{t['store_bytes'] / 1e6:.1f} MB"),
+        ("training time", f"{t['training_seconds']:.0f} s ({t['training_steps']} steps, drafter {t['drafter']})"),
+        ("tau_hat (held-out, teacher-forced)", f"{t['tau_hat']:.2f}"),
+        ("tau (measured, held-out prompts)", f"{t['tau']:.2f} over {t['held_out_prompts_decoded']} prompts"),
+        ("speed-up in target forwards", f"{t['speedup_target_forwards']:.2f}x "
+                                        f"({t['forwards_greedy']} greedy -> {t['forwards_speculative']})"),
+        ("output identical to greedy", f"{'yes' if t['identical_to_greedy'] else 'no'} "
+                                       f"({t['identical_prompts']}/{t['held_out_prompts_decoded']} prompts)"),
+        ("stage seconds", ", ".join(f"{k} {v:.0f}" for k, v in t["stage_seconds"].items())),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

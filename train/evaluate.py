@@ -187,9 +187,12 @@ def run_eval(drafter: str, store_url: str, *, target: str | None = None, shards:
             f"--drafter {drafter}: an export carries no record of its run's held-out shards; pass --val-fraction F "
             "(the value used in training) or --shards all"
         )
+    if not ids:
+        raise InputError(f"--drafter {drafter}: its run held out no shards (--val-fraction 0); pass --shards all to "
+                         "evaluate on every committed shard (the ones it trained on)")
     missing = sorted(set(ids) - committed)
-    if missing or not ids:
-        raise InputError(f"--store {store_url}: the {split} {missing or ids} are not committed (committed: "
+    if missing:
+        raise InputError(f"--store {store_url}: the {split} {missing} are not committed (committed: "
                          f"{len(committed)} of {store.num_shards}); finish the store with `dflash extract`")
     head_dir = target or (record or {}).get("config", {}).get("target") or store.header["target"]["path"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

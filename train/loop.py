@@ -121,6 +121,21 @@ def _rounds(cfg: Any, state: LoaderState, store: Any, dist: Dist, train_ids: lis
         yield list(msg)
 
 
+def _open_store(cfg: Any) -> Any:
+    """Return the store; in follow mode, first wait for `dflash extract` to create it."""
+    from ..storage import Store
+    from ..storage.fs import open_fs
+
+    if cfg.follow:
+        fs, shown = open_fs(cfg.store), 0.0
+        while not fs.exists("zarr.json"):
+            if time.monotonic() - shown > 30:
+                log.info("waiting for `dflash extract` to create the store %s", cfg.store)
+                shown = time.monotonic()
+            time.sleep(1.0)
+    return Store.open(cfg.store)
+
+
 def _estimate_total(cfg: Any, plans_steps: int, shards_seen: int, train_count: int) -> int:
     per_epoch = math.ceil(plans_steps * train_count / max(1, shards_seen))
     total = per_epoch * cfg.epochs
@@ -132,14 +147,13 @@ def train_rank(cfg: Any) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from ..storage import Store
     from .evaluate import evaluate_shards
     from .stream import RoundStream
 
     if cfg.tensorboard:
         require_tensorboard()
     dist = Dist.setup(cfg.gpus)
-    store = Store.open(cfg.store)
+    store = _open_store(cfg)
     dcfg = drafter_config(cfg, store)
     record = run_record(cfg, store, dcfg, dist.world)
     ckpt = prepare_run_folder(cfg, record)
@@ -166,6 +180,11 @@ def train_rank(cfg: Any) -> None:
         trainer.sched.load_state_dict(ts["scheduler"])
         state.load_state_dict(ts["loader"], str(ckpt))
         step, trainer.total = int(ts["step"]), int(ts["total_steps"])
+        if not state.rounds or state.follow_done:  # --epochs or --max-steps may have changed: the schedule follows
+            first = (sum(plan_round(lengths.load(r), r, epoch=0, round_index=i, **plan_kw).steps
+                         for i, r in enumerate(state.rounds)) if state.rounds else epoch_steps(0))
+            trainer.total = first + sum(epoch_steps(e) for e in range(1, cfg.epochs))
+            trainer.total = min(trainer.total, cfg.max_steps) if cfg.max_steps else trainer.total
         set_rng_state(ts["rng"][dist.rank] if dist.rank < len(ts["rng"]) else ts["rng"][0])
         if dist.rank == 0:
             truncate_metrics(run, step)

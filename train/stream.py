@@ -183,9 +183,12 @@ class RoundStream:
                         first[sid] = s
                         order.append(sid)
                     last[sid] = s
-        live = 1
-        for s in self.steps:  # shards first used at or before s and last used at or after s are held together
-            live = max(live, sum(1 for sid in order if first[sid] <= s <= last[sid]))
+        # Shards first used at or before step s and last used at or after it are held together: sweep the steps.
+        events = sorted([(first[sid], 1) for sid in order] + [(last[sid] + 1, -1) for sid in order])
+        live = held = 1 if not order else 0
+        for _, delta in events:
+            held += delta
+            live = max(live, held)
         return order, last, live
 
     def _pack(self, samples: list[Sample], s: int, slot: int) -> tuple["PackedBatch | None", int]:

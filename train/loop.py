@@ -49,8 +49,8 @@ class Trainer:
 
         return torch.autocast(self.dist.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
 
-    def step(self, micro: list[Any]) -> tuple[Any, float]:
-        """Run one optimizer step over this rank's micro-batches; return (summed Metrics or None, grad norm).
+    def step(self, micro: list[Any]) -> tuple[Any, float, float]:
+        """Run one optimizer step over this rank's micro-batches; return (summed Metrics or None, grad norm, lr).
 
         The loss of each micro-batch is normalised by the decay-weight total of the whole global batch (all ranks,
         all micro-batches), so the gradient equals that of one big batch whatever the world size and accumulation.
@@ -78,10 +78,11 @@ class Trainer:
                     metrics = m if metrics is None else metrics + m
             loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip))
+        lr = self.sched.get_last_lr()[0]
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        return metrics, gnorm
+        return metrics, gnorm, lr
 
 
 def _rounds(cfg: Any, state: LoaderState, store: Any, dist: Dist, train_ids: list[int], runlog: RunLog | None,
@@ -206,7 +207,7 @@ def train_rank(cfg: Any) -> None:
     dist.barrier()
     runlog = RunLog(run, total_steps=trainer.total, start_step=step, tensorboard=cfg.tensorboard) if dist.rank == 0 else None
     started, start_step = time.perf_counter(), step
-    win = {"t": time.perf_counter(), "wait": 0.0, "tokens": 0, "metrics": None, "steps": 0}
+    win = {"t": time.perf_counter(), "wait": 0.0, "tokens": 0, "metrics": None}
     last_saved = step if ckpt is not None else -1
     stream = None
 
@@ -226,7 +227,8 @@ def train_rank(cfg: Any) -> None:
         win["t"] += time.perf_counter() - t0  # a save is not training time: keep it out of tokens/s
 
     def validate(epoch: int) -> None:
-        ready = [s for s in val_ids if s in set(store.committed_ids())]
+        committed = set(store.committed_ids())
+        ready = [s for s in val_ids if s in committed]
         if dist.rank == 0 and ready:
             with trainer.autocast():
                 out = evaluate_shards(trainer.model, trainer.head, store, ready, batch_tokens=cfg.batch_tokens,
@@ -236,7 +238,7 @@ def train_rank(cfg: Any) -> None:
                 "loss", "acc", "tau_hat", "slot_accuracy", "accept_rate", "blocks", "tokens", "shards")}})
         dist.barrier()
 
-    def log_step(epoch: int, gnorm: float) -> None:
+    def log_step(epoch: int, gnorm: float, lr: float) -> None:
         from .objective import Metrics
 
         m = win["metrics"]
@@ -252,13 +254,13 @@ def train_rank(cfg: Any) -> None:
             runlog.step({
                 "split": "train", "step": step, "epoch": epoch, "loss": m.loss,
                 "acc": sum(m.slot_correct) / counted if counted else float("nan"), "tau_hat": m.tau_hat,
-                "streak": m.tau_hat - 1.0, "slot_accuracy": m.slot_accuracy, "lr": trainer.sched.get_last_lr()[0],
+                "streak": m.tau_hat - 1.0, "slot_accuracy": m.slot_accuracy, "lr": lr,
                 "grad_norm": gnorm, "tokens_per_s": float(both[-2]) / max(elapsed, 1e-9),
                 "data_wait": float(both[-1]) / dist.world / max(elapsed, 1e-9),
                 "prefetch_depth": stream.depth() if stream is not None else 0,
                 "eta_s": rate * max(0, trainer.total - step), "blocks": m.blocks,
             })
-        win.update(t=time.perf_counter(), wait=0.0, tokens=0, metrics=None, steps=0)
+        win.update(t=time.perf_counter(), wait=0.0, tokens=0, metrics=None)
 
     stop = False
     corrupt: set[int] = set()
@@ -287,7 +289,7 @@ def train_rank(cfg: Any) -> None:
                             item, waited = stream.get()
                             if item is None:
                                 break
-                            metrics, gnorm = trainer.step(item.micro)
+                            metrics, gnorm, lr = trainer.step(item.micro)
                             step += 1
                             state.step_in_epoch = item.step_in_epoch + 1
                             win["wait"] += waited
@@ -295,7 +297,7 @@ def train_rank(cfg: Any) -> None:
                             if metrics is not None:
                                 win["metrics"] = metrics if win["metrics"] is None else win["metrics"] + metrics
                             if step % cfg.log_every == 0:
-                                log_step(epoch, gnorm)
+                                log_step(epoch, gnorm, lr)
                             if step % cfg.save_every == 0:
                                 save()
                     finally:

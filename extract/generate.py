@@ -279,8 +279,8 @@ def _transformers_backend(cfg: "GenerateConfig"):
         raise InputError(f"--model {cfg.model}: expected a tokenizer with a chat template, found none")
     # On CPU, bf16 answers depend on the batch: with left padding SmolLM2's first-token logits moved by 0.9 and
     # "The capital of France is Paris." became "L'Etoile, ..."; even eager attention changed 9 of 16 answers
-    # between batch 16 and batch 1. fp32 kept 8 of 8 answers identical between batch 8 and batch 1, so it is what we use, at a cost
-    # (bf16 decoded up to ~3x faster on this AVX512-bf16 CPU). GPUs keep the folder's dtype.
+    # between batch 16 and batch 1. fp32 kept 8 of 8 answers identical between batch 8 and batch 1, so it is
+    # what we use, at a cost (bf16 decoded up to ~3x faster on this AVX512-bf16 CPU). GPUs keep the folder's dtype.
     dtype = torch.float32 if cfg.device == "cpu" else "auto"
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(cfg.device).eval()
     # Left padding keeps every prompt's last token at the same column, where generation continues.

@@ -226,7 +226,10 @@ def run(cfg: "GenerateConfig") -> GenerateResult:
     out = Path(cfg.out)
     prompts = read_prompts(cfg.prompts)
     if not Path(cfg.model).is_dir():
-        raise InputError(f"--model {cfg.model}: expected a Hugging Face model folder, found none")
+        raise InputError(
+            f"--model {cfg.model}: expected a Hugging Face model folder, found none; pass a save_pretrained folder "
+            "(the embedded target: python -c 'from dflash.assets import smollm2_folder; print(smollm2_folder())')"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     _check_identity(cfg, out)
     done = read_done(out, prompts)

@@ -65,11 +65,26 @@ def bucket(n: int, minimum: int = 256) -> int:
     return -(-n // step) * step
 
 
+# Switches for diagnosing the flex kernel against SDPA (bench/drafter.py --check-only): hand flex the grouped k/v
+# (enable_gqa) or k/v repeated to every query head, compiled or eager.
+FLEX_GQA = True
+FLEX_COMPILE = True
+
+
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(compiled: bool = True):
     from torch.nn.attention.flex_attention import flex_attention
 
-    # dynamic=False with bucketed shapes: one compiled kernel per bucket, reused across steps.
+    if not compiled:
+        return flex_attention
+    # dynamic=False with bucketed shapes: one compiled kernel per bucket, reused across steps. A long run meets
+    # more buckets than dynamo's default limit of 8 recompiles, and past it flex silently falls back to the eager
+    # kernel, which materialises every score ([heads x Q x K]: hundreds of GiB at training shapes).
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -115,9 +130,15 @@ def _flex_attend(batch: "PackedBatch", cfg: "DrafterConfig") -> "Attend":
                                 device=q_seq.device, _compile=True)
         for kind in set(cfg.layer_types)
     }
-    flex = _compiled_flex()
+    flex = _compiled_flex(FLEX_COMPILE)
+    gqa = FLEX_GQA
 
     def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from .model import expand_kv
+
+        if not gqa:
+            k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+
         def pad_kv(t: torch.Tensor) -> torch.Tensor:
             ctx, blk = t[:, :, :N], t[:, :, N:]
             return torch.cat([F.pad(ctx, (0, 0, 0, Np - N)), F.pad(blk, (0, 0, 0, Qp - Q))], dim=2)

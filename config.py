@@ -16,6 +16,7 @@ __all__ = [
     "GenerateConfig",
     "DemoConfig",
     "parse_gpus",
+    "resolve_devices",
     "CODECS",
 ]
 
@@ -44,6 +45,30 @@ def parse_gpus(spec: str) -> list[int] | None:
     if not out or any(g < 0 for g in out) or len(set(out)) != len(out):
         raise ConfigError(f"--gpus {spec!r} must name distinct non-negative GPU indices, e.g. 0,1,2 or cpu")
     return out
+
+
+def resolve_devices(gpus: str, local_rank: int | None = None) -> list[str]:
+    """Return the torch devices of a `--gpus` value: ["cpu"], or the listed CUDA devices that exist (clipped).
+
+    Under a torchrun-style launch (local_rank given) it is the one GPU of this rank.
+    """
+    import logging
+
+    ids = parse_gpus(gpus)
+    if ids is None:
+        return ["cpu"]
+    import torch
+
+    n = torch.cuda.device_count()
+    have = [i for i in ids if i < n]
+    if not have:
+        hint = f"pass --gpus with ids in 0..{n - 1}" if n else "this torch sees no CUDA device; pass --gpus cpu"
+        raise ConfigError(f"--gpus {gpus}: expected CUDA devices {ids}, found {n} on this machine; {hint}")
+    if len(have) < len(ids):
+        logging.getLogger(__name__).info("--gpus %s clipped to the %d existing device(s): %s", gpus, len(have), have)
+    if local_rank is not None:
+        return [f"cuda:{have[local_rank % len(have)]}"]
+    return [f"cuda:{i}" for i in have]
 
 
 def _check(cond: bool, message: str) -> None:

@@ -9,34 +9,13 @@ from typing import Any
 
 import click
 
+from ..config import resolve_devices
 from ..errors import DflashError, InputError
 from .data import read_rows
 
-__all__ = ["run", "devices_for"]
+__all__ = ["run"]
 
 log = logging.getLogger(__name__)
-
-
-def devices_for(gpus: str, local_rank: int | None = None) -> list[str]:
-    """Return the torch devices this process serves: ["cpu"], one GPU per worker (clipped to what exists), or,
-    under torchrun-style launch (LOCAL_RANK set), the single GPU of this rank."""
-    from ..config import parse_gpus
-
-    ids = parse_gpus(gpus)
-    if ids is None:
-        return ["cpu"]
-    import torch
-
-    n = torch.cuda.device_count()
-    have = [i for i in ids if i < n]
-    if not have:
-        hint = f"pass --gpus with ids in 0..{n - 1}" if n else "this torch sees no CUDA device; pass --gpus cpu"
-        raise InputError(f"--gpus {gpus}: expected CUDA devices {ids}, found {n} on this machine; {hint}")
-    if len(have) < len(ids):
-        log.info("--gpus %s clipped to the %d existing device(s): %s", gpus, len(have), have)
-    if local_rank is not None:
-        return [f"cuda:{have[local_rank % len(have)]}"]
-    return [f"cuda:{i}" for i in have]
 
 
 def _report_bad_rows(rows: list[Any], strict: bool, shown: int = 5) -> None:
@@ -133,7 +112,7 @@ def run(cfg: Any) -> dict[str, Any]:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ["LOCAL_RANK"]) if world > 1 and "LOCAL_RANK" in os.environ else None
-    devices = devices_for(cfg.gpus, local_rank)
+    devices = resolve_devices(cfg.gpus, local_rank)
     plan = header["shard_plan"]
     committed = set(store.committed_ids())
     left = sum(

@@ -168,7 +168,7 @@ def test_changed_options_are_refused_naming_the_field(data_file, tiny_qwen3, tin
 
 
 def test_gpus_without_cuda_is_an_input_error():
-    from dflash.extract.orchestrate import devices_for
+    from dflash.config import resolve_devices as devices_for
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA devices")

@@ -15,13 +15,14 @@ def run(cfg: "TrainConfig") -> None:
 
     torch is imported only now, so `dflash --help` stays fast.
     """
-    from .dist import launch, train_devices
+    from ..config import resolve_devices
+    from .dist import launch
     from .loop import train_rank
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or another launcher) made the processes
         train_rank(cfg)
         return
-    devices = train_devices(cfg.gpus)
+    devices = resolve_devices(cfg.gpus)
     if len(devices) == 1:
         train_rank(cfg)
         return

@@ -8,33 +8,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import DflashError, InputError
+from ..config import resolve_devices
+from ..errors import DflashError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Dist", "train_devices", "launch"]
+__all__ = ["Dist", "launch"]
 
 log = logging.getLogger(__name__)
-
-
-def train_devices(gpus: str) -> list[str]:
-    """Return the devices of a `--gpus` value: ["cpu"], or the listed CUDA devices that exist (clipped)."""
-    from ..config import parse_gpus
-
-    ids = parse_gpus(gpus)
-    if ids is None:
-        return ["cpu"]
-    import torch
-
-    n = torch.cuda.device_count()
-    have = [i for i in ids if i < n]
-    if not have:
-        fix = f"pass --gpus cpu or indices in 0..{n - 1}" if n else "pass --gpus cpu"
-        raise InputError(f"--gpus {gpus}: this machine has {n} CUDA device(s), none of those; {fix}")
-    if len(have) < len(ids):
-        log.info("--gpus %s clipped to the %d existing device(s): %s", gpus, len(have), have)
-    return [f"cuda:{i}" for i in have]
 
 
 @dataclass
@@ -53,7 +35,7 @@ class Dist:
 
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         local = int(os.environ.get("LOCAL_RANK", rank))
-        devices = train_devices(gpus)
+        devices = resolve_devices(gpus)
         device = torch.device(devices[local % len(devices)])
         if device.type == "cuda":
             torch.cuda.set_device(device)

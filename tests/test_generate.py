@@ -199,6 +199,7 @@ def test_vllm_backend_without_vllm_is_a_clear_error(tiny_qwen3, prompts_file, tm
         run(_cfg(tiny_qwen3, prompts_file, tmp_path / "o.jsonl", backend="vllm"))
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers is most of its time
 def test_sigkill_mid_run_then_rerun_completes(tiny_qwen3, tmp_path):
     import os
     import signal

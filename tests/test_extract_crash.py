@@ -95,11 +95,12 @@ def kill_and_resume(cfg, kills: int, seed: int) -> int:
             if delivered >= kills:
                 assert launcher.status() == 0, "the resuming run failed"
                 return delivered
-            # A random moment: after 0-2 more shards commit (0 = during start-up), plus up to 0.3 s.
+            # A random moment: after 0-2 more shards commit (0 = during start-up), plus up to 20 ms. A tiny target
+            # on an idle machine commits a one-row shard every few ms, so a longer pause would let the run finish.
             wait_for, deadline = rng.choice([0, 1, 1, 2]), time.monotonic() + 60
-            while _commits(cfg.out) < before + wait_for and not launcher.finished(0.01):
+            while _commits(cfg.out) < before + wait_for and not launcher.finished(0.002):
                 assert time.monotonic() < deadline, "extract made no progress"
-            time.sleep(rng.uniform(0.0, 0.3))
+            time.sleep(rng.uniform(0.0, 0.02))
             if launcher.finished():
                 assert launcher.status() == 0
                 return delivered  # the run completed before the kill: nothing left to interrupt
@@ -118,7 +119,7 @@ def crash_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(crash_data, tiny_qwen3, tmp_path_factory):
     """The uninterrupted run's samples."""
-    cfg = extract_config(tiny_qwen3, crash_data, tmp_path_factory.mktemp("ref") / "store", shard_size=3)
+    cfg = extract_config(tiny_qwen3, crash_data, tmp_path_factory.mktemp("ref") / "store", shard_size=1)
     run(cfg)
     return store_samples(cfg.out)
 
@@ -139,7 +140,7 @@ def _check_killed_store(cfg, reference) -> None:
 
 
 def test_sigkill_then_rerun_equals_uninterrupted(crash_data, tiny_qwen3, reference, tmp_path):
-    cfg = extract_config(tiny_qwen3, crash_data, tmp_path / "store", shard_size=3)
+    cfg = extract_config(tiny_qwen3, crash_data, tmp_path / "store", shard_size=1)
     assert kill_and_resume(cfg, kills=3, seed=0) >= 2
     _check_killed_store(cfg, reference)
 
@@ -150,7 +151,7 @@ def test_twenty_sigkills_then_rerun_equals_uninterrupted(crash_data, tiny_qwen3,
     for seed in range(1, 6):  # a finished store has nothing left to kill; start over until 20 kills landed
         if kills >= 20:
             break
-        cfg = extract_config(tiny_qwen3, crash_data, tmp_path / f"store{seed}", shard_size=3)
+        cfg = extract_config(tiny_qwen3, crash_data, tmp_path / f"store{seed}", shard_size=1)
         kills += kill_and_resume(cfg, kills=20 - kills, seed=seed)
         got = store_samples(cfg.out)
         assert Store.open(cfg.out).is_complete()
@@ -159,10 +160,23 @@ def test_twenty_sigkills_then_rerun_equals_uninterrupted(crash_data, tiny_qwen3,
 
 
 def test_two_processes_share_one_store_without_overlap(crash_data, tiny_qwen3, reference, tmp_path):
-    cfg = extract_config(tiny_qwen3, crash_data, tmp_path / "store", shard_size=3)
+    cfg = extract_config(tiny_qwen3, crash_data, tmp_path / "store", shard_size=1)
     cmd = [sys.executable, "-m", "dflash.cli", *_argv(cfg)]
-    procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=_ENV) for _ in range(2)]
-    errs = [p.communicate(timeout=300)[1] for p in procs]
+    # Deterministic sharing: the first process commits a shard and is frozen (SIGSTOP, its claim still live),
+    # the second runs to the end around that claim, then the first resumes and finishes what it holds.
+    first = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=_ENV)
+    deadline = time.monotonic() + 120
+    while _commits(cfg.out) < 1:
+        assert first.poll() is None and time.monotonic() < deadline, "the first extract made no progress"
+        time.sleep(0.002)
+    first.send_signal(signal.SIGSTOP)
+    second = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=_ENV)
+    try:
+        err2 = second.communicate(timeout=300)[1]
+    finally:
+        first.send_signal(signal.SIGCONT)
+    err1 = first.communicate(timeout=300)[1]
+    procs, errs = [first, second], [err1, err2]
     assert [p.returncode for p in procs] == [0, 0], errs
     store = Store.open(cfg.out)
     writers = {store.commit_record(s)["writer"]["pid"] for s in store.committed_ids()}
@@ -182,7 +196,7 @@ def test_spawned_workers_split_the_shards(crash_data, tiny_qwen3, reference, tmp
     from dflash.extract.template import load_template
     from dflash.extract.worker import WorkerSpec
 
-    cfg = extract_config(tiny_qwen3, crash_data, tmp_path / "store", shard_size=3)
+    cfg = extract_config(tiny_qwen3, crash_data, tmp_path / "store", shard_size=1)
     tok = AutoTokenizer.from_pretrained(cfg.model)
     header = build_header(cfg, AutoConfig.from_pretrained(cfg.model), tok, load_template(tok, None), read_rows(cfg.data))
     store = Store.create_or_open(cfg.out, header)

@@ -45,12 +45,7 @@ class Claim(dict):
 
 def read_claim(fs: StoreFS, shard_id: int) -> Claim | None:
     """Return the claim on a shard, or None if there is none (or it is unreadable, which counts as stale)."""
-    try:
-        return Claim(json.loads(fs.read_bytes(claim_path(shard_id))))
-    except FileNotFoundError:
-        return None
-    except (ValueError, OSError):
-        return Claim()
+    return _read_json(fs, claim_path(shard_id))
 
 
 def claim_is_live(claim: Claim | None) -> bool:
@@ -69,12 +64,21 @@ def claim_is_live(claim: Claim | None) -> bool:
     return started is None or process_start_time(int(claim["pid"])) == started
 
 
+def _read_json(fs: StoreFS, rel: str) -> Claim | None:
+    try:
+        return Claim(json.loads(fs.read_bytes(rel)))
+    except FileNotFoundError:
+        return None
+    except (ValueError, OSError):
+        return Claim()
+
+
 def acquire(fs: StoreFS, shard_id: int) -> Claim | None:
     """Return our new claim on the shard, taking over a stale one; None if a live process holds it."""
     pid = os.getpid()
     mine = Claim(host=HOST, pid=pid, start_time=process_start_time(pid), token=uuid.uuid4().hex, time=time.time())
     path = claim_path(shard_id)
-    for _ in range(3):
+    for _ in range(5):
         if fs.create_exclusive(path, dumps(mine)):
             return mine
         current = read_claim(fs, shard_id)
@@ -85,13 +89,20 @@ def acquire(fs: StoreFS, shard_id: int) -> Claim | None:
         # Of several processes seeing the same stale claim, only the one that creates this lock removes it; it
         # re-reads the claim under the lock so it never removes a claim another process has just made.
         lock = f"{path}.takeover-{current.get('token')}.partial"
-        if fs.create_exclusive(lock, b""):
+        if fs.create_exclusive(lock, dumps(mine)):
             try:
                 again = read_claim(fs, shard_id)
                 if again is not None and again.get("token") == current.get("token"):
                     log.info("taking over stale claim on shard %d (%s)", shard_id, dict(current))
                     fs.rm(path)
             finally:
+                fs.rm(lock)
+        else:
+            # A process killed while holding the lock would leave the stale claim untakeable forever: the lock
+            # names its holder, and a dead holder's lock is removed like a stale claim.
+            holder = _read_json(fs, lock)
+            if holder is not None and not claim_is_live(holder):
+                log.info("removing takeover lock %s of a dead process (%s)", lock, dict(holder))
                 fs.rm(lock)
     return None
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -289,3 +290,22 @@ def test_chunk_size_is_per_shard(tmp_path):
     assert os.path.exists(tmp_path / "shards/00000/features/c.0.0.0")
     via_url = Store.open(f"file://{tmp_path}")
     assert via_url.committed_ids() == [0, 1] and via_url.verify(1) == []
+
+
+def test_takeover_lock_left_by_a_killed_process_does_not_block_the_shard(tmp_path):
+    # A process killed while taking over a stale claim leaves its takeover lock behind; the shard must stay
+    # claimable (before the fix, every later run skipped it and exited 0 with the store incomplete).
+    from dflash.storage.claims import claim_path, read_claim
+
+    store = Store.create_or_open(str(tmp_path), header())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    stale = {"host": socket.gethostname(), "pid": dead_pid, "start_time": 1, "token": "stale", "time": 0.0}
+    (tmp_path / claim_path(1)).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / claim_path(1)).write_text(json.dumps(stale))
+    (tmp_path / f"{claim_path(1)}.takeover-stale.partial").write_text(json.dumps({**stale, "token": "locker"}))
+    writer = store.try_claim(1)
+    assert writer is not None, "a dead process's takeover lock blocked the shard"
+    assert read_claim(store.fs, 1)["pid"] == os.getpid()
+    writer.commit()
+    assert store.committed_ids() == [1]

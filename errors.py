@@ -9,7 +9,6 @@ __all__ = [
     "ManifestMismatch",
     "CorruptShard",
     "AssetError",
-    "NotBuiltError",
 ]
 
 
@@ -44,7 +43,3 @@ class CorruptShard(StoreError):
 
 class AssetError(DflashError):
     """A bundled asset (the embedded model, the prompts) is missing or unusable."""
-
-
-class NotBuiltError(DflashError):
-    """A command whose capability is not part of this version yet."""

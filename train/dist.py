@@ -84,6 +84,10 @@ class Dist:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                # Tear down together: a gloo rank that destroys its group while a peer is still busy (rank 0
+                # plots the curves first) can abort the peer's process ("terminate called without an active
+                # exception", seen once in CI).
+                dist.barrier()
                 dist.destroy_process_group()
 
 

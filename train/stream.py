@@ -128,11 +128,15 @@ class _ShardPrefetcher:
             return sum(1 for s in self.ready if s not in self.touched)
 
     def close(self) -> None:
-        """Stop reading (the thread ends at its next shard boundary)."""
+        """Stop reading and wait for the thread to end (at most one shard read away)."""
         with self.cond:
             self.stop = True
             self.cond.notify_all()
         self.slots.release()
+        # Joined, not abandoned: a daemon thread still inside a shard read (pinned allocation, decoder threads)
+        # when the interpreter exits can abort the process ("terminate called without an active exception").
+        if self.thread is not threading.current_thread():
+            self.thread.join()
 
 
 class RoundStream:

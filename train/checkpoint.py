@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,6 @@ log = logging.getLogger(__name__)
 
 RUN_RECORD = "config.json"
 TRAINER_STATE = "trainer.pt"
-_STEP = re.compile(r"^step-(\d+)$")
 # TrainConfig fields that may change between a run and its resume; every other change is refused by name.
 RESUMABLE_CHANGES = frozenset(
     {"resume", "epochs", "max_steps", "save_every", "keep", "log_every", "tensorboard", "skip_corrupt",
@@ -54,16 +52,11 @@ def step_dir(run: str | os.PathLike, step: int) -> Path:
     return Path(run) / "checkpoints" / f"step-{step:06d}"
 
 
-def _steps(run: str | os.PathLike) -> list[tuple[int, Path]]:
-    folder = Path(run) / "checkpoints"
-    if not folder.is_dir():
-        return []
-    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
-
-
 def latest_checkpoint(run: str | os.PathLike) -> Path | None:
     """Return the newest complete step folder of a run (one holding trainer.pt and the model), or None."""
-    for _, folder in reversed(_steps(run)):
+    from .export import step_folders
+
+    for _, folder in reversed(step_folders(run)):
         if (folder / TRAINER_STATE).is_file() and (folder / "model.safetensors").is_file():
             return folder
         log.warning("%s is incomplete; ignoring it", folder)
@@ -120,8 +113,10 @@ def load_trainer_state(folder: Path) -> dict[str, Any]:
 
 def prune(run: str | os.PathLike, keep: int) -> list[Path]:
     """Return the folders removed: all but the newest `keep` step folders and any leftover temp folders."""
+    from .export import step_folders
+
     removed = []
-    steps = _steps(run)
+    steps = step_folders(run)
     for _, folder in steps[: max(0, len(steps) - keep)]:
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)

@@ -18,6 +18,7 @@ __all__ = [
     "CHECKPOINT_CONFIG",
     "save_checkpoint_files",
     "find_checkpoint",
+    "step_folders",
     "export_config",
     "export_drafter",
     "load_drafter",
@@ -36,15 +37,21 @@ def _is_complete(folder: Path) -> bool:
     return (folder / CHECKPOINT_WEIGHTS).is_file() and (folder / CHECKPOINT_CONFIG).is_file()
 
 
+def step_folders(run: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Return (step, folder) of every RUN/checkpoints/step-NNNNNN folder, oldest first."""
+    folder = Path(run) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
+
+
 def find_checkpoint(run: str | os.PathLike) -> Path:
     """Return the checkpoint folder to export: `run` itself if it is one, else the newest complete step-NNNNNN."""
     run = Path(run)
     if _is_complete(run):
         return run
     ckpts = run / "checkpoints"
-    steps = sorted(
-        (int(m.group(1)), p) for p in (ckpts.iterdir() if ckpts.is_dir() else ()) if (m := _STEP.match(p.name))
-    )
+    steps = step_folders(run)
     for _, folder in reversed(steps):
         if _is_complete(folder):
             return folder

@@ -139,3 +139,19 @@ def test_open_drafter_names_the_missing_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(InputError, match="dflash train"):
         open_drafter(tmp_path / "empty")
+
+
+def test_the_cache_reaches_targets_of_older_and_newer_transformers():
+    from dflash.train.speculative import _with_cache
+
+    class Older(torch.nn.Module):  # transformers before the rename: the cache is `past_key_values`
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            return past_key_values
+
+    class Newer(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None, **kwargs):
+            return cache
+
+    marker = object()
+    for model in (Older(), Newer()):
+        assert model(input_ids=None, **_with_cache(model, marker)) is marker

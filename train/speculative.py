@@ -120,6 +120,15 @@ def _cut(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple[li
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 
+def _with_cache(target: Any, cache: Any) -> dict[str, Any]:
+    """Return the keyword that hands `cache` to the target's forward: `cache` in recent transformers releases,
+    `past_key_values` before. An unknown keyword would vanish into **kwargs and every forward would see no context."""
+    import inspect
+
+    params = inspect.signature(target.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
 def _keep(cache: Any, length: int) -> None:
     """Cut a transformers cache back to its first `length` positions (crop takes how many to drop, negated)."""
     drop = cache.get_seq_length() - length
@@ -140,8 +149,9 @@ def greedy_decode(target: Any, prompt_ids: Sequence[int], *, max_new_tokens: int
     ids = torch.tensor([list(prompt_ids)], device=device)
     out: list[int] = []
     forwards = 0
+    kv = _with_cache(target, cache)
     while True:
-        logits = target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = target(input_ids=ids, **kv, use_cache=True, logits_to_keep=1).logits
         forwards += 1
         tok = int(_choose(logits[0, -1:], temperature, generator)[0])
         out.append(tok)
@@ -170,7 +180,8 @@ def speculative_decode(target: Any, propose: Proposer, prompt_ids: Sequence[int]
     stops = set(int(s) for s in stop_ids)
     cache = DynamicCache()
     prompt = torch.tensor([list(prompt_ids)], device=device)
-    out = target(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1, output_hidden_states=True)
+    kv = _with_cache(target, cache)
+    out = target(input_ids=prompt, **kv, use_cache=True, logits_to_keep=1, output_hidden_states=True)
     context = _features(out.hidden_states, layer_ids)  # features of positions 0..S-1
     tokens = [int(_choose(out.logits[0, -1:], temperature, generator)[0])]
     accepted: list[int] = []
@@ -180,7 +191,7 @@ def speculative_decode(target: Any, propose: Proposer, prompt_ids: Sequence[int]
         anchor_pos = context.shape[0]  # the newest token: known, but not yet run through the target
         drafts = propose(context, tokens[-1], anchor_pos)[: block_size - 1].to(device)
         block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts]).long()[None]
-        out = target(input_ids=block, cache=cache, use_cache=True, output_hidden_states=True)
+        out = target(input_ids=block, **kv, use_cache=True, output_hidden_states=True)
         forwards += 1
         choice = _choose(out.logits[0], temperature, generator)  # choice[k]: the target's token at anchor_pos+k+1
         match = (block[0, 1:] == choice[:-1]).int()

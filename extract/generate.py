@@ -289,6 +289,8 @@ def _transformers_backend(cfg: "GenerateConfig"):
     # Left padding keeps every prompt's last token at the same column, where generation continues.
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if tokenizer.pad_token_id is None:  # some conversions (transformers 5.17 from GGUF) name no pad token
+        tokenizer.pad_token_id = pad_id
     eos_ids = {tokenizer.eos_token_id}
     gen_eos = model.generation_config.eos_token_id
     eos_ids |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}

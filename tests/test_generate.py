@@ -227,3 +227,22 @@ def test_sigkill_mid_run_then_rerun_completes(tiny_qwen3, tmp_path):
     ref = tmp_path / "ref.jsonl"
     run(_cfg(tiny_qwen3, prompts, ref, batch_size=N, max_new_tokens=8))
     assert {r["source_row"]: r for r in recs} == {r["source_row"]: r for r in _records(ref)}
+
+
+def test_a_tokenizer_without_pad_token_still_batches(tiny_qwen3, prompts_file, reference, tmp_path):
+    # transformers 5.17's GGUF conversion of SmolLM2 names no pad token; left padding then pads with eos.
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen3, model)
+    cfg_file = model / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_file.read_text())
+    tok_cfg["pad_token"] = None
+    cfg_file.write_text(json.dumps(tok_cfg))
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(model).pad_token_id is None
+    out = tmp_path / "nopad.jsonl"
+    run(_cfg(model, prompts_file, out, batch_size=3))
+    texts = lambda path: {r["source_row"]: r["messages"][-1]["content"] for r in _records(path)}  # noqa: E731
+    assert texts(out) == texts(reference)

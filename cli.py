@@ -266,8 +266,8 @@ def generate(**opts: Any) -> None:
 @config_option
 @click.option("--out", default="dflash-demo", show_default=True, help="Folder for every stage's output (rerun to resume).")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
-@click.option("--budget", default="full", hidden=True, type=click.Choice(["full", "tiny"]),
-              help="tiny: a few prompts and steps (the slow test's reduced budget).")
+@click.option("--budget", default="auto", show_default=True, type=click.Choice(["auto", "full", "gpu", "tiny"]),
+              help="How much data and training: auto picks full on cpu, gpu on cuda; tiny is a smoke run.")
 def demo(**opts: Any) -> None:
     """The whole recipe on the embedded SmolLM2 target: generate, extract, train, evaluate, export, decode."""
     from .config import DemoConfig

@@ -244,14 +244,19 @@ class GenerateConfig(StageConfig):
         _check(self.backend in ("transformers", "vllm"), f"--backend {self.backend!r}: use transformers or vllm")
 
 
+DEMO_BUDGETS = ("auto", "full", "gpu", "tiny")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig(StageConfig):
     """Options of `dflash demo`: the whole recipe on the embedded target."""
 
     out: str = "dflash-demo"
     device: str = "cpu"
-    budget: str = "full"  # "full" or "tiny" (the reduced budget the slow test uses)
+    budget: str = "auto"  # auto: "full" on cpu, "gpu" on cuda; "tiny" is the reduced budget the slow test uses
 
     def __post_init__(self) -> None:
         _check(self.device in ("cpu", "cuda"), f"--device {self.device!r}: use cpu or cuda")
-        _check(self.budget in ("full", "tiny"), f"--budget {self.budget!r}: use full or tiny")
+        _check(self.budget in DEMO_BUDGETS, f"--budget {self.budget!r}: use one of {', '.join(DEMO_BUDGETS)}")
+        if self.budget == "auto":
+            object.__setattr__(self, "budget", "gpu" if self.device == "cuda" else "full")

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "demo-state.json"
 SUMMARY_FILE = "summary.json"
 DECODE_FILE = "decode.jsonl"
+DATA_FILE = "data.jsonl"
 CURVE_FILE = "training-curve.png"
 STAGES = ("generate", "extract", "train", "eval", "export", "decode")
 # SmolLM2's tokenizer covers every embedding row, so the mask token must be a special token chat never uses:
@@ -43,7 +44,7 @@ class Budget:
     prompts: int  # bundled prompts answered (the first N)
     gen_tokens: int  # answer length cap of `generate`
     gen_batch: int
-    shard_rows: int  # source rows per shard; the held-out split is by shard
+    shard_prompts: int  # prompts per shard; the held-out split is by shard, so by prompt
     val_fraction: float
     draft_layers: int
     block_size: int
@@ -53,19 +54,30 @@ class Budget:
     lr: float
     decode_prompts: int  # held-out prompts decoded speculatively and greedily
     decode_tokens: int
+    samples: int = 0  # sampled answers per prompt besides the greedy one (more training data from the same prompts)
+    sample_temperature: float = 0.8
 
 
 BUDGETS = {
-    # Sized for a 2-core CPU (about 20 minutes with set-up); a GPU runs the same recipe in a fraction of it.
-    # The drafter's cost is the target's 49k-row lm_head on every predicted slot, so on a CPU many small steps
-    # (block 4, 16 anchors per answer) learn more per second than few large ones: measured on the SmolLM2 store,
-    # held-out tau_hat 1.06 after 150 steps of block 8 x 32 anchors, 1.16 after 180 steps of this (same time).
-    "full": Budget(prompts=329, gen_tokens=128, gen_batch=32, shard_rows=16, val_fraction=0.1, draft_layers=1,
+    # Sized for a 2-core CPU (about 20 minutes with set-up). The drafter's cost is the target's 49k-row lm_head on
+    # every predicted slot, so on a CPU many small steps (block 4, 16 anchors per answer) learn more per second than
+    # few large ones: measured on the SmolLM2 store, held-out tau_hat 1.06 after 150 steps of block 8 x 32 anchors,
+    # 1.16 after 180 steps of this (same time). Held-out tau_hat stops rising after ~500 steps: the 36K answer
+    # tokens, not the steps, are then the limit.
+    "full": Budget(prompts=329, gen_tokens=128, gen_batch=32, shard_prompts=16, val_fraction=0.1, draft_layers=1,
                    block_size=4, steps=600, batch_tokens=1024, anchors=16, lr=3e-3, decode_prompts=8,
                    decode_tokens=128),
+    # One GPU (sized for an H200, about 3 minutes): answers twice as long, one sampled answer per prompt besides
+    # the greedy one (about 4x the CPU budget's tokens), a two-layer drafter with block 8. Measured on an H200 with
+    # three sampled answers: held-out tau_hat peaked near 20 epochs and fell after (the drafter memorises the
+    # ~300 training prompts), so the steps stop there.
+    "gpu": Budget(prompts=329, gen_tokens=256, gen_batch=384, shard_prompts=16, val_fraction=0.1, draft_layers=2,
+                  block_size=8, steps=200, batch_tokens=16384, anchors=64, lr=1e-3, decode_prompts=8,
+                  decode_tokens=128, samples=1, sample_temperature=0.8),
     # The reduced budget of the slow test: every stage runs for real, on a handful of prompts.
-    "tiny": Budget(prompts=20, gen_tokens=24, gen_batch=10, shard_rows=5, val_fraction=0.25, draft_layers=1,
-                   block_size=4, steps=6, batch_tokens=512, anchors=8, lr=2e-3, decode_prompts=2, decode_tokens=16),
+    "tiny": Budget(prompts=20, gen_tokens=24, gen_batch=10, shard_prompts=5, val_fraction=0.25, draft_layers=1,
+                   block_size=4, steps=6, batch_tokens=512, anchors=8, lr=2e-3, decode_prompts=2, decode_tokens=16,
+                   samples=1),
 }
 
 
@@ -111,15 +123,58 @@ class _State:
         return result
 
 
-def _write_prompts(out: Path, n: int) -> Path:
-    """Return OUT/prompts.jsonl: the first n bundled prompts (rewritten only if different, so reruns resume)."""
+def _write_prompts(out: Path, n: int, *, repeat: int = 1, name: str = "prompts.jsonl") -> Path:
+    """Return OUT/name: the first n bundled prompts, each `repeat` times in a row (rewritten only if different)."""
     from .assets import prompts_path
 
     lines = [ln for ln in prompts_path().read_text(encoding="utf-8").splitlines() if ln.strip()][:n]
-    path = out / "prompts.jsonl"
-    text = "\n".join(lines) + "\n"
+    path = out / name
+    text = "".join(ln + "\n" for ln in lines for _ in range(repeat))
     if not path.is_file() or path.read_text(encoding="utf-8") != text:
-        path.write_text(text, encoding="utf-8")
+        _write_text(path, text)
+    return path
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _answers_by_row(path: Path, rows: int) -> list[str]:
+    """Return the JSON line of each source row 0..rows-1 of a finished `generate` output (torn lines skipped)."""
+    by_row: dict[int, str] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line torn by a killed run; its prompt was answered again further down
+        by_row[int(rec["source_row"])] = json.dumps(rec, ensure_ascii=False)
+    missing = [r for r in range(rows) if r not in by_row]
+    if missing:
+        raise ConfigError(f"{path}: expected answers to rows 0..{rows - 1}, rows {missing[:5]} are missing; "
+                          "rerun `dflash demo` with the same --out to finish generating")
+    return [by_row[r] for r in range(rows)]
+
+
+def _write_data(out: Path, greedy: Path, sampled: Path | None, prompts: int, samples: int) -> Path:
+    """Return OUT/data.jsonl: each prompt's greedy answer followed by its sampled ones, in prompt order.
+
+    A prompt's rows are adjacent and a shard holds whole prompts, so a held-out shard holds every answer of its
+    prompts: nothing of a held-out prompt is trained on.
+    """
+    lines = _answers_by_row(greedy, prompts)
+    extra = _answers_by_row(sampled, prompts * samples) if sampled is not None and samples else []
+    text = "".join(
+        lines[i] + "\n" + "".join(extra[i * samples + j] + "\n" for j in range(samples if extra else 0))
+        for i in range(prompts)
+    )
+    path = out / DATA_FILE
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        _write_text(path, text)
     return path
 
 
@@ -127,7 +182,8 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _held_out_prompts(store_dir: Path, answers: Path, run_dir: Path, target: Path, n: int) -> list[list[int]]:
+def _held_out_prompts(store_dir: Path, data: Path, run_dir: Path, target: Path, n: int,
+                      rows_per_prompt: int) -> list[list[int]]:
     """Return the token ids (chat template, generation prompt) of the first n prompts of the held-out shards."""
     from transformers import AutoTokenizer
 
@@ -137,11 +193,13 @@ def _held_out_prompts(store_dir: Path, answers: Path, run_dir: Path, target: Pat
 
     store = Store.open(str(store_dir))
     val = read_run_record(run_dir)["resolved"]["val_shards"]
-    rows = read_rows((str(answers),))
+    rows = read_rows((str(data),))
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     prompts = []
     for sid in val:
         for row in store.read_shard(sid).sample_ids.tolist():
+            if int(row) % rows_per_prompt:
+                continue  # a sampled answer: its prompt is decoded once, through its greedy row
             messages = rows[int(row)].messages[:-1]  # drop the target's own answer: it is what we decode
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
@@ -194,21 +252,32 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
     started = time.perf_counter()
     gpus = "0" if cfg.device == "cuda" else "cpu"
     target = smollm2_folder()
-    answers, store_dir, run_dir, drafter_dir = out / "answers.jsonl", out / "store", out / "run", out / "drafter"
+    answers, sampled, data = out / "answers.jsonl", out / "answers-sampled.jsonl", out / DATA_FILE
+    store_dir, run_dir, drafter_dir = out / "store", out / "run", out / "drafter"
+    rows_per_prompt = 1 + budget.samples
 
     def generate() -> dict[str, Any]:
         from .extract.generate import run as gen
 
-        r = gen(GenerateConfig(model=str(target), prompts=str(_write_prompts(out, budget.prompts)),
-                               out=str(answers), max_new_tokens=budget.gen_tokens, batch_size=budget.gen_batch,
-                               device=cfg.device))
-        return {"prompts": r.prompts, "answered_now": r.answered, "new_tokens": r.new_tokens}
+        def answer(prompts: Path, into: Path, temperature: float):
+            return gen(GenerateConfig(model=str(target), prompts=str(prompts), out=str(into), temperature=temperature,
+                                      max_new_tokens=budget.gen_tokens, batch_size=budget.gen_batch,
+                                      device=cfg.device))
+
+        r = answer(_write_prompts(out, budget.prompts), answers, 0.0)
+        result = {"prompts": r.prompts, "answered_now": r.answered, "new_tokens": r.new_tokens}
+        if budget.samples:
+            many = _write_prompts(out, budget.prompts, repeat=budget.samples, name="prompts-sampled.jsonl")
+            s = answer(many, sampled, budget.sample_temperature)
+            result.update(sampled_answers=s.prompts, sampled_new_tokens=s.new_tokens)
+        _write_data(out, answers, sampled, r.prompts, budget.samples)
+        return result
 
     def extract() -> dict[str, Any]:
         from .extract import run as ext
 
-        s = ext(ExtractConfig(model=str(target), data=(str(answers),), out=str(store_dir), gpus=gpus,
-                              shard_size=budget.shard_rows, max_length=1024, batch_tokens=8192, min_loss_tokens=4,
+        s = ext(ExtractConfig(model=str(target), data=(str(data),), out=str(store_dir), gpus=gpus,
+                              shard_size=budget.shard_prompts * rows_per_prompt, max_length=1024, batch_tokens=8192, min_loss_tokens=4,
                               mask_token_id=SMOLLM2_MASK_TOKEN, dtype="float32"))
         return {"samples": s["samples"], "tokens": s["tokens"], "bytes": _dir_bytes(store_dir)}
 
@@ -216,7 +285,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         from .train import run as tr
         from .train.metrics import read_metrics
 
-        tr(TrainConfig(store=str(store_dir), target=str(target), out=str(run_dir), gpus=gpus, epochs=20,
+        tr(TrainConfig(store=str(store_dir), target=str(target), out=str(run_dir), gpus=gpus, epochs=1000,
                        max_steps=budget.steps, batch_tokens=budget.batch_tokens, lr=budget.lr,
                        draft_layers=budget.draft_layers, block_size=budget.block_size, anchors=budget.anchors,
                        val_fraction=budget.val_fraction, resume=True, save_every=max(1, budget.steps // 6),
@@ -237,7 +306,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         return {"path": str(drafter_dir), "bytes": _dir_bytes(drafter_dir)}
 
     def decode() -> dict[str, Any]:
-        prompts = _held_out_prompts(store_dir, answers, run_dir, target, budget.decode_prompts)
+        prompts = _held_out_prompts(store_dir, data, run_dir, target, budget.decode_prompts, rows_per_prompt)
         return _decode(out, cfg, budget, prompts, target)
 
     gen_r = state.stage("generate", generate)

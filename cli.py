@@ -156,7 +156,8 @@ def extract(**opts: Any) -> None:
 @click.option("--lr", default=6e-4, show_default=True, type=float)
 @click.option("--draft-layers", default=5, show_default=True, type=int)
 @click.option("--block-size", default=16, show_default=True, type=int)
-@click.option("--anchors", default=512, show_default=True, type=int)
+@click.option("--anchors", default=512, show_default=True, type=int,
+              help="Blocks drawn per sample; a batch holds at most --batch-tokens/4 blocks in all.")
 @click.option("--grad-accum", default=1, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--val-fraction", default=0.0, show_default=True, type=float)

@@ -34,6 +34,7 @@ from dflash.testing import QWEN3_8B_CONFIG
 from dflash.train.dist import Dist
 from dflash.train.loader import plan_round
 from dflash.train.loop import Trainer
+from dflash.train.objective import max_blocks_for
 from dflash.train.setup import ShardLengths, drafter_config
 from dflash.train.stream import RoundStream
 
@@ -141,7 +142,8 @@ def main() -> None:
     def stream(start: int) -> RoundStream:
         return RoundStream(store, plan, slots=[0], epoch=0, step_offset=0, start=start, seed=0,
                            block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, anchors=cfg.anchors,
-                           device=device, depth=cfg.prefetch_shards, skip_corrupt=False)
+                           max_blocks=max_blocks_for(cfg.batch_tokens), device=device, depth=cfg.prefetch_shards,
+                           skip_corrupt=False)
 
     # Preload: the steps' batches, built by the same stream, kept on the GPU.
     s = stream(0)

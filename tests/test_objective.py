@@ -10,7 +10,15 @@ from torch.nn import functional as F
 from dflash.train.attention import bucket, dense_masks
 from dflash.train.linear_ce import chunked_linear_ce
 from dflash.train.model import DrafterConfig
-from dflash.train.objective import Metrics, block_metrics, decay_weights, pack_batch, sample_anchors
+from dflash.train.objective import (
+    Metrics,
+    block_metrics,
+    block_quotas,
+    decay_weights,
+    max_blocks_for,
+    pack_batch,
+    sample_anchors,
+)
 
 
 def _seq(mask: list[int], H: int = 4, start: int = 10) -> dict:
@@ -157,3 +165,26 @@ def test_buckets_are_few_and_cover() -> None:
     assert all(bucket(n) >= n for n in range(1, 5000))
     assert all(bucket(n) <= max(256, 1.25 * n) for n in range(1, 70000, 13))
     assert len(sizes) <= 40
+
+
+def test_block_quotas_cap_the_batch_and_scale_every_sequence_alike() -> None:
+    assert block_quotas([100, 3, 0], max_anchors=8, max_blocks=None) == [8, 3, 0]
+    assert block_quotas([100, 3, 0], max_anchors=8, max_blocks=20) == [8, 3, 0]  # under the cap: untouched
+    q = block_quotas([100] * 10 + [4] * 5, max_anchors=8, max_blocks=30)
+    # 80 + 20 asked, each cut to 30 % (2.4 and 1.2); the 5 spare blocks go to the largest remainders
+    assert sum(q) == 30 and q == [3] * 5 + [2] * 5 + [1] * 5
+    q = block_quotas([7, 7, 7], max_anchors=512, max_blocks=10)
+    assert q == [4, 3, 3]  # the spare block goes to the earliest of equal remainders
+    assert max_blocks_for(16384) == 4096 and max_blocks_for(1) == 1
+
+
+def test_many_short_sequences_stay_within_the_batch_block_cap() -> None:
+    # 40 answers of 60 tokens with the reference's 512 anchors each would give ~2,300 blocks; the cap keeps 100.
+    seqs = [_seq([0] * 4 + [1] * 56, start=s) for s in range(40)]
+    free = pack_batch(seqs, block_size=4, mask_token_id=63, max_anchors=512, seed=5)
+    capped = pack_batch(seqs, block_size=4, mask_token_id=63, max_anchors=512, max_blocks=100, seed=5)
+    assert free.num_blocks == 40 * 55 and capped.num_blocks == 100
+    per_seq = (capped.cu_blocks[1:] - capped.cu_blocks[:-1]).tolist()
+    assert per_seq == [3] * 20 + [2] * 20
+    again = pack_batch(seqs, block_size=4, mask_token_id=63, max_anchors=512, max_blocks=100, seed=5)
+    assert torch.equal(again.anchor_pos, capped.anchor_pos)  # still a pure function of (sequences, seed)

@@ -77,7 +77,7 @@ def evaluate_shards(
     (fraction of blocks whose first k drafts are all right, k = 1..B-1), tau_hat = 1 + mean streak, counts."""
     import torch
 
-    from .objective import pack_batch
+    from .objective import max_blocks_for, pack_batch
 
     cfg = model.config
     B = cfg.block_size
@@ -91,7 +91,7 @@ def evaluate_shards(
     def flush(seqs: list[dict[str, Any]], k: int) -> None:
         nonlocal ce, wsum
         batch = pack_batch(seqs, block_size=B, mask_token_id=cfg.mask_token_id, max_anchors=anchors,
-                           seed=seed * 1_000_003 + k).to(device)
+                           max_blocks=max_blocks_for(batch_tokens), seed=seed * 1_000_003 + k).to(device)
         if batch.num_blocks == 0:
             return
         correct, counted, c, w = _predict(model, batch, head, attention)

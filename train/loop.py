@@ -149,6 +149,7 @@ def train_rank(cfg: Any) -> None:
     from safetensors.torch import load_file
 
     from .evaluate import evaluate_shards
+    from .objective import max_blocks_for
     from .stream import RoundStream
 
     if cfg.tensorboard:
@@ -279,7 +280,8 @@ def train_rank(cfg: Any) -> None:
                 if start < plan.steps:
                     stream = RoundStream(store, plan, slots=my_slots, epoch=epoch, step_offset=offset, start=start,
                                          seed=cfg.seed, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
-                                         anchors=cfg.anchors, device=dist.device, depth=cfg.prefetch_shards,
+                                         anchors=cfg.anchors, max_blocks=max_blocks_for(cfg.batch_tokens),
+                                         device=dist.device, depth=cfg.prefetch_shards,
                                          skip_corrupt=cfg.skip_corrupt)
                     try:
                         while True:

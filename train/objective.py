@@ -17,15 +17,45 @@ from ..errors import InputError
 from ..facts import decay_gamma
 from .linear_ce import chunked_linear_ce
 
-__all__ = ["sample_anchors", "decay_weights", "PackedBatch", "pack_batch", "Metrics", "drafter_loss", "block_metrics"]
+__all__ = ["sample_anchors", "max_blocks_for", "block_quotas", "decay_weights", "PackedBatch", "pack_batch", "Metrics", "drafter_loss", "block_metrics"]
 
 log = logging.getLogger(__name__)
 
 
+# Blocks a batch may hold per token of its budget. The reference's 512 anchors on 4,096-token sequences is 1/8;
+# short sequences would otherwise each take up to --anchors blocks, and a 16K-token batch of 200-token answers
+# asked for ~15K blocks of 16 slots (an H200 ran out of memory). 1/4 leaves the reference shape uncut.
+BLOCKS_PER_BATCH_TOKEN = 0.25
+
+
+def max_blocks_for(batch_tokens: int) -> int:
+    """Return the most blocks (anchors) one batch of `batch_tokens` tokens may hold."""
+    return max(1, int(batch_tokens * BLOCKS_PER_BATCH_TOKEN))
+
+
+def _candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    m = loss_mask.to(torch.bool).cpu()
+    return torch.nonzero(m[:-1] & m[1:], as_tuple=False)[:, 0]
+
+
+def block_quotas(candidates: Sequence[int], max_anchors: int, max_blocks: int | None) -> list[int]:
+    """Return the anchors to draw from each sequence: min(max_anchors, candidates), all scaled down alike (largest
+    remainders first, then the earlier sequence) when their sum exceeds max_blocks."""
+    quota = [min(max_anchors, int(c)) for c in candidates]
+    total = sum(quota)
+    if max_blocks is None or total <= max_blocks:
+        return quota
+    exact = [q * max_blocks / total for q in quota]
+    out = [int(x) for x in exact]
+    spare = max_blocks - sum(out)
+    for i in sorted(range(len(out)), key=lambda i: (out[i] - exact[i], i))[:spare]:
+        out[i] += 1
+    return out
+
+
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator) -> torch.Tensor:
     """Return sorted anchor positions: up to max_anchors, without replacement, among p with mask[p] and mask[p+1]."""
-    m = loss_mask.to(torch.bool).cpu()
-    candidates = torch.nonzero(m[:-1] & m[1:], as_tuple=False)[:, 0]
+    candidates = _candidates(loss_mask)
     if candidates.numel() > max_anchors:
         pick = torch.randperm(candidates.numel(), generator=generator)[:max_anchors]
         candidates = candidates[pick]
@@ -90,15 +120,19 @@ def pack_batch(
     block_size: int,
     mask_token_id: int,
     max_anchors: int = 512,
+    max_blocks: int | None = None,
     seed: int = 0,
     gamma: float | None = None,
 ) -> PackedBatch:
     """Return one PackedBatch of sequences (each a mapping with input_ids [T], loss_mask [T], features [T, n, H]).
 
-    Anchors are drawn by a generator seeded with `seed`, sequence after sequence, so the batch is a pure function
-    of (sequences, seed). Tensors stay on the device of the inputs' features.
+    Each sequence gives up to max_anchors blocks, and the batch at most max_blocks (see block_quotas). Anchors are
+    drawn by a generator seeded with `seed`, sequence after sequence, so the batch is a pure function of
+    (sequences, seed). Tensors stay on the device of the inputs' features.
     """
     gen = torch.Generator().manual_seed(int(seed))
+    quotas = block_quotas([max(0, _candidates(torch.as_tensor(q["loss_mask"])).numel()) for q in sequences],
+                          max_anchors, max_blocks)
     decay = decay_weights(block_size, gamma)
     feats, ctx_pos, ctx_seq, ids, anchors, bseq, labels, weights = [], [], [], [], [], [], [], []
     cu_ctx, cu_blocks = [0], [0]
@@ -113,7 +147,7 @@ def pack_batch(
                 f"sequence {s} of the batch: input_ids has {T} tokens but loss_mask has {loss_mask.shape[0]} and "
                 f"features {f.shape[0]}; the store is inconsistent, run `dflash verify STORE`"
             )
-        a = sample_anchors(loss_mask, max_anchors, gen)
+        a = sample_anchors(loss_mask, quotas[s], gen)
         n_ctx = int(a[-1]) if a.numel() else 0  # the last block sees positions < its anchor, no further
         feats.append(f[:n_ctx].flatten(1) if f.dim() == 3 else f[:n_ctx])
         ctx_pos.append(torch.arange(n_ctx))

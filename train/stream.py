@@ -155,6 +155,7 @@ class RoundStream:
         block_size: int,
         mask_token_id: int,
         anchors: int,
+        max_blocks: int | None,
         device: "torch.device",
         depth: int,
         skip_corrupt: bool,
@@ -162,6 +163,7 @@ class RoundStream:
     ) -> None:
         self.plan, self.slots, self.epoch, self.offset = plan, slots, epoch, step_offset
         self.seed, self.block_size, self.mask, self.anchors = seed, block_size, mask_token_id, anchors
+        self.max_blocks = max_blocks
         self.device = device
         self.steps = range(start, plan.steps)
         order, last_use, live = self._schedule()
@@ -212,7 +214,7 @@ class RoundStream:
         if not seqs:
             return None, skipped
         batch = pack_batch(seqs, block_size=self.block_size, mask_token_id=self.mask, max_anchors=self.anchors,
-                           seed=batch_seed(self.seed, self.epoch, self.offset + s, slot))
+                           max_blocks=self.max_blocks, seed=batch_seed(self.seed, self.epoch, self.offset + s, slot))
         if self.device.type != "cuda":
             batch = batch.to(self.device)
         return batch, skipped

@@ -182,6 +182,12 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _decoded_rows(val_sample_ids: list[list[int]], rows_per_prompt: int, n: int) -> list[int]:
+    """Return the data rows whose prompts are decoded: the greedy row of each held-out prompt, the first n."""
+    rows = [int(r) for ids in val_sample_ids for r in ids if int(r) % rows_per_prompt == 0]
+    return rows[:n]
+
+
 def _held_out_prompts(store_dir: Path, data: Path, run_dir: Path, target: Path, n: int,
                       rows_per_prompt: int) -> list[list[int]]:
     """Return the token ids (chat template, generation prompt) of the first n prompts of the held-out shards."""
@@ -196,14 +202,12 @@ def _held_out_prompts(store_dir: Path, data: Path, run_dir: Path, target: Path, 
     rows = read_rows((str(data),))
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     prompts = []
-    for sid in val:
-        for row in store.read_shard(sid).sample_ids.tolist():
-            if int(row) % rows_per_prompt:
-                continue  # a sampled answer: its prompt is decoded once, through its greedy row
-            messages = rows[int(row)].messages[:-1]  # drop the target's own answer: it is what we decode
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
-    return prompts[:n]
+    # A prompt's sampled answers follow its greedy one; it is decoded once.
+    for row in _decoded_rows([store.read_shard(sid).sample_ids.tolist() for sid in val], rows_per_prompt, n):
+        messages = rows[row].messages[:-1]  # drop the target's own answer: it is what we decode
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+    return prompts
 
 
 def _decode(out: Path, cfg: "DemoConfig", budget: Budget, prompts: list[list[int]], target_dir: Path) -> dict:

@@ -93,3 +93,30 @@ def test_format_table_names_every_number():
     })
     assert "1,234" in text and "5.0 MB" in text and "2.25 over 2 prompts" in text and "2.00x (40 greedy -> 20)" in text
     assert "no (1/2 prompts)" in text
+
+
+def test_data_file_keeps_each_prompts_answers_together_in_prompt_order(tmp_path):
+    from dflash import demo
+    from dflash.extract.plan import shard_ranges
+
+    def rec(row: int, text: str, prompt: int | None = None) -> str:
+        q = f"q{row if prompt is None else prompt}"
+        return json.dumps({"messages": [{"role": "user", "content": q},
+                                        {"role": "assistant", "content": text}], "source_row": row})
+
+    greedy = tmp_path / "answers.jsonl"  # completion order, as `generate` writes it
+    greedy.write_text("".join(rec(r, f"g{r}") + "\n" for r in (2, 0, 1)))
+    sampled = tmp_path / "answers-sampled.jsonl"  # prompt i is rows 2i, 2i+1; a torn line of a killed run
+    sampled.write_text(rec(5, "s2b", 2) + "\n" + '{"messages": [{"ro\n' + "".join(
+        rec(r, f"s{r // 2}{'ab'[r % 2]}", r // 2) + "\n" for r in (4, 0, 3, 1, 2)))
+    data = demo._write_data(tmp_path, greedy, sampled, prompts=3, samples=2)
+    rows = [json.loads(ln) for ln in data.read_text().splitlines()]
+    answers = [r["messages"][-1]["content"] for r in rows]
+    assert answers == ["g0", "s0a", "s0b", "g1", "s1a", "s1b", "g2", "s2a", "s2b"]
+    assert [r["messages"][0]["content"] for r in rows] == ["q0"] * 3 + ["q1"] * 3 + ["q2"] * 3
+    # Shards of whole prompts: a held-out shard holds every answer of its prompts, and each is decoded once.
+    assert shard_ranges(len(rows), 2 * 3) == [(0, 6), (6, 9)]
+    assert demo._decoded_rows([[6, 7, 8], [0, 1, 2, 3, 4, 5]], 3, 5) == [6, 0, 3]
+    with pytest.raises(ConfigError, match="rows \\[2\\] are missing"):
+        greedy.write_text(rec(0, "g0") + "\n" + rec(1, "g1") + "\n")
+        demo._write_data(tmp_path, greedy, None, prompts=3, samples=0)

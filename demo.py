@@ -62,8 +62,8 @@ BUDGETS = {
     # Sized for a 2-core CPU (about 20 minutes with set-up). The drafter's cost is the target's 49k-row lm_head on
     # every predicted slot, so on a CPU many small steps (block 4, 16 anchors per answer) learn more per second than
     # few large ones: measured on the SmolLM2 store, held-out tau_hat 1.06 after 150 steps of block 8 x 32 anchors,
-    # 1.16 after 180 steps of this (same time). Held-out tau_hat stops rising after ~500 steps: the 36K answer
-    # tokens, not the steps, are then the limit.
+    # 1.16 after 180 steps of this (same time). 1,500 steps would reach 1.31 (1.34 with 600 more, templated,
+    # prompts: bench/prompt_diversity.py) at +5 minutes; far from 2.5 either way: the prompts bound it.
     "full": Budget(prompts=329, gen_tokens=128, gen_batch=32, shard_prompts=16, val_fraction=0.1, draft_layers=1,
                    block_size=4, steps=600, batch_tokens=1024, anchors=16, lr=3e-3, decode_prompts=8,
                    decode_tokens=128),

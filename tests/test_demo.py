@@ -120,3 +120,10 @@ def test_data_file_keeps_each_prompts_answers_together_in_prompt_order(tmp_path)
     with pytest.raises(ConfigError, match="rows \\[2\\] are missing"):
         greedy.write_text(rec(0, "g0") + "\n" + rec(1, "g1") + "\n")
         demo._write_data(tmp_path, greedy, None, prompts=3, samples=0)
+
+
+def test_budget_auto_follows_the_device_and_bad_budgets_are_named():
+    assert DemoConfig().budget == "full" and DemoConfig(device="cuda").budget == "gpu"
+    assert DemoConfig(device="cuda", budget="full").budget == "full"
+    with pytest.raises(ConfigError, match="--budget 'huge'.*auto, full, gpu, tiny"):
+        DemoConfig(budget="huge")

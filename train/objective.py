@@ -17,7 +17,17 @@ from ..errors import InputError
 from ..facts import decay_gamma
 from .linear_ce import chunked_linear_ce
 
-__all__ = ["sample_anchors", "max_blocks_for", "block_quotas", "decay_weights", "PackedBatch", "pack_batch", "Metrics", "drafter_loss", "block_metrics"]
+__all__ = [
+    "sample_anchors",
+    "max_blocks_for",
+    "block_quotas",
+    "decay_weights",
+    "PackedBatch",
+    "pack_batch",
+    "Metrics",
+    "drafter_loss",
+    "block_metrics",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +65,10 @@ def block_quotas(candidates: Sequence[int], max_anchors: int, max_blocks: int | 
 
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator) -> torch.Tensor:
     """Return sorted anchor positions: up to max_anchors, without replacement, among p with mask[p] and mask[p+1]."""
-    candidates = _candidates(loss_mask)
+    return _pick(_candidates(loss_mask), max_anchors, generator)
+
+
+def _pick(candidates: torch.Tensor, max_anchors: int, generator: torch.Generator) -> torch.Tensor:
     if candidates.numel() > max_anchors:
         pick = torch.randperm(candidates.numel(), generator=generator)[:max_anchors]
         candidates = candidates[pick]
@@ -131,8 +144,8 @@ def pack_batch(
     (sequences, seed). Tensors stay on the device of the inputs' features.
     """
     gen = torch.Generator().manual_seed(int(seed))
-    quotas = block_quotas([max(0, _candidates(torch.as_tensor(q["loss_mask"])).numel()) for q in sequences],
-                          max_anchors, max_blocks)
+    candidates = [_candidates(torch.as_tensor(q["loss_mask"])) for q in sequences]
+    quotas = block_quotas([c.numel() for c in candidates], max_anchors, max_blocks)
     decay = decay_weights(block_size, gamma)
     feats, ctx_pos, ctx_seq, ids, anchors, bseq, labels, weights = [], [], [], [], [], [], [], []
     cu_ctx, cu_blocks = [0], [0]
@@ -147,7 +160,7 @@ def pack_batch(
                 f"sequence {s} of the batch: input_ids has {T} tokens but loss_mask has {loss_mask.shape[0]} and "
                 f"features {f.shape[0]}; the store is inconsistent, run `dflash verify STORE`"
             )
-        a = sample_anchors(loss_mask, quotas[s], gen)
+        a = _pick(candidates[s], quotas[s], gen)
         n_ctx = int(a[-1]) if a.numel() else 0  # the last block sees positions < its anchor, no further
         feats.append(f[:n_ctx].flatten(1) if f.dim() == 3 else f[:n_ctx])
         ctx_pos.append(torch.arange(n_ctx))

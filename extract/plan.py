@@ -1,8 +1,6 @@
 """Pure planning decisions of extract: shard ranges of source rows and length-sorted token-budget batches."""
 from __future__ import annotations
 
-import logging
-
 __all__ = [
     "TARGET_SHARD_BYTES",
     "BATCH_OVERHEAD_TOKENS",
@@ -11,8 +9,6 @@ __all__ = [
     "pack_batches",
     "padding_fraction",
 ]
-
-log = logging.getLogger(__name__)
 
 # About 2 GB of features a shard: large sequential reads for the trainer, and a killed worker loses little.
 TARGET_SHARD_BYTES = 2 * 1024**3

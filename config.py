@@ -104,13 +104,9 @@ class StageConfig:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the config as JSON, atomically (temp file, fsync, rename)."""
-        path = os.fspath(path)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(self.to_json() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        from .atomic import write_atomic
+
+        write_atomic(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from .atomic import write_atomic
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -116,9 +117,7 @@ class _State:
         # CPU seconds of this process and its children: on a shared machine, wall time says little about speed.
         result["cpu_seconds"] = round(_cpu_seconds() - c0, 1)
         self.data["stages"][name] = result
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(self.data, indent=2, sort_keys=True) + "\n")
         log.info("demo: %s done in %.0f s", name, result["seconds"])
         return result
 
@@ -131,17 +130,8 @@ def _write_prompts(out: Path, n: int, *, repeat: int = 1, name: str = "prompts.j
     path = out / name
     text = "".join(ln + "\n" for ln in lines for _ in range(repeat))
     if not path.is_file() or path.read_text(encoding="utf-8") != text:
-        _write_text(path, text)
+        write_atomic(path, text)
     return path
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _answers_by_row(path: Path, rows: int) -> list[str]:
@@ -174,7 +164,7 @@ def _write_data(out: Path, greedy: Path, sampled: Path | None, prompts: int, sam
     )
     path = out / DATA_FILE
     if not path.is_file() or path.read_text(encoding="utf-8") != text:
-        _write_text(path, text)
+        write_atomic(path, text)
     return path
 
 
@@ -344,9 +334,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         "this_run_seconds": round(time.perf_counter() - started, 1),
         "training_curve": str(out / CURVE_FILE) if (out / CURVE_FILE).is_file() else None,
     }
-    tmp = out / f".{SUMMARY_FILE}.tmp"
-    tmp.write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out / SUMMARY_FILE)
+    write_atomic(out / SUMMARY_FILE, json.dumps(table, indent=2) + "\n")
     return table
 
 

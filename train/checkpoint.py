@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..atomic import write_atomic
 from ..errors import ConfigError, ManifestMismatch
 
 __all__ = [
@@ -150,10 +151,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def write_run_record(run: str | os.PathLike, record: dict[str, Any]) -> None:
     """Write RUN/config.json atomically: {"config": TrainConfig fields, "resolved": facts of the run}."""
-    path = Path(run) / RUN_RECORD
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    _write_file(tmp, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
-    os.replace(tmp, path)
+    write_atomic(Path(run) / RUN_RECORD, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
 def read_run_record(run: str | os.PathLike) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..atomic import write_atomic
 from ..errors import InputError
 from .model import DFlashDrafter, DrafterConfig
 
@@ -134,15 +135,6 @@ def _state_dict(folder: Path, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_checkpoint_files(model: torch.nn.Module, folder: str | os.PathLike) -> Path:
     """Write a drafter's weights (model.safetensors, bare names) and drafter_config.json into folder; return it.
 
@@ -156,8 +148,8 @@ def save_checkpoint_files(model: torch.nn.Module, folder: str | os.PathLike) -> 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().contiguous().cpu() for k, v in inner.state_dict().items()}
-    _write_atomic(folder / CHECKPOINT_WEIGHTS, save(sd, metadata={"format": "pt"}))
-    _write_atomic(folder / CHECKPOINT_CONFIG, (json.dumps(inner.config.to_dict(), indent=2) + "\n").encode())
+    write_atomic(folder / CHECKPOINT_WEIGHTS, save(sd, metadata={"format": "pt"}))
+    write_atomic(folder / CHECKPOINT_CONFIG, (json.dumps(inner.config.to_dict(), indent=2) + "\n").encode())
     return folder
 
 
@@ -178,14 +170,14 @@ def export_drafter(run: str | os.PathLike, out: str | os.PathLike, *, remote_cod
     out.mkdir(parents=True, exist_ok=True)
     # config.json goes last: a folder with it is a finished export.
     (out / "config.json").unlink(missing_ok=True)
-    _write_atomic(out / "model.safetensors", save(sd, metadata={"format": "pt", "source": str(ckpt)}))
+    write_atomic(out / "model.safetensors", save(sd, metadata={"format": "pt", "source": str(ckpt)}))
     config = export_config(cfg)
     if remote_code:
         from .remote_code import write_modeling_file
 
-        write_modeling_file(out, _write_atomic)
+        write_modeling_file(out, write_atomic)
         config["auto_map"] = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
-    _write_atomic(out / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    write_atomic(out / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
     log.info("exported %s (%d tensors) to %s", ckpt, len(sd), out)
     return out
 

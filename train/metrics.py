@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_atomic
 from ..errors import DflashError
 
 __all__ = ["METRICS_FILE", "PLOT_FILE", "require_tensorboard", "read_metrics", "truncate_metrics", "RunLog", "plot_run"]
@@ -51,12 +52,7 @@ def truncate_metrics(run: str | os.PathLike, step: int) -> int:
     path = Path(run) / METRICS_FILE
     records = read_metrics(run)
     keep = [r for r in records if int(r.get("step", 0)) < step or (r.get("step") == step and r.get("split") == "train")]
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in keep)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
     return len(records) - len(keep)
 
 

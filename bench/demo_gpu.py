@@ -77,6 +77,8 @@ def main() -> None:
                            "--budget", args.budget, "--out", str(base)],
                           env=env, text=True, capture_output=True)
     report["demo_wall_s"] = round(time.perf_counter() - t, 1)
+    if os.environ.get("OUT"):  # the demo's log: where each stage's time went
+        Path(os.environ["OUT"], "demo-stderr.log").write_text(done.stderr)
     print(done.stdout, done.stderr[-4000:] if done.returncode else "", flush=True)
     if done.returncode:
         raise SystemExit(f"demo failed with exit {done.returncode}")

@@ -84,11 +84,11 @@ def _eager_block(model: DFlashDrafter, feats: torch.Tensor, anchor: int, anchor_
     return rms(x, p["norm.weight"])[1:] @ head.double().T
 
 
-def _batch_logits(model, batch, embed, head, attention="sdpa") -> torch.Tensor:
+def _batch_logits(model, batch, embed, head, attention="sdpa", capacity=None) -> torch.Tensor:
     """Logits [A, B-1, V] of every block of a packed batch, through the training forward."""
     emb = F.embedding(batch.block_ids.reshape(-1), embed.to(model.fc.weight.dtype))
     hidden = model(batch.features, batch.ctx_pos, emb, batch.block_pos.reshape(-1),
-                   make_attend(batch, model.config, attention))
+                   make_attend(batch, model.config, attention, capacity))
     hidden = hidden.view(batch.num_blocks, batch.block_size, -1)[:, 1:]
     return (hidden @ head.to(hidden.dtype).T).float()
 
@@ -192,15 +192,17 @@ def test_a_few_steps_reduce_the_loss(tiny_qwen3) -> None:
 
 @pytest.mark.slow
 def test_flex_forward_equals_sdpa_on_cpu(tiny_qwen3) -> None:
-    # flex has no CPU backward, but its forward checks the block mask, the bucketing and the padding.
+    # flex has no CPU backward, but its forward checks the block mask, the bucketing and the padding: to size
+    # buckets, to a fixed capacity well above the batch (the run's one shape), and a batch over the capacity.
     model = _drafter(tiny_qwen3, sliding=4, dtype=torch.float32)
     head = load_target_head(tiny_qwen3)
     seqs = _sequences(model.config.hidden_size, model.config.vocab_size, lengths=(150, 40, 90), dtype=torch.float32)
     batch = pack_batch(seqs, block_size=5, mask_token_id=model.config.mask_token_id, max_anchors=20, seed=0)
     with torch.no_grad():
         a = _batch_logits(model, batch, head.embed, head.lm_head, "sdpa")
-        b = _batch_logits(model, batch, head.embed, head.lm_head, "flex")
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        for capacity in (None, (700, 90), (100, 10)):
+            b = _batch_logits(model, batch, head.embed, head.lm_head, "flex", capacity)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -213,13 +215,16 @@ def test_flex_equals_sdpa_on_cuda(tiny_qwen3) -> None:
         seqs = [{k: v.to(dev) for k, v in s.items()} for s in seqs]
         batch = pack_batch(seqs, block_size=5, mask_token_id=model.config.mask_token_id, max_anchors=40, seed=0)
         a = _batch_logits(model, batch, head.embed, head.lm_head, "sdpa")
-        b = _batch_logits(model, batch, head.embed, head.lm_head, "flex")
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        for capacity in (None, (1500, 300)):  # size buckets, and the fixed shape of a run (well above the batch)
+            b = _batch_logits(model, batch, head.embed, head.lm_head, "flex", capacity)
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
         grads = {}
-        for kind in ("sdpa", "flex"):
+        for kind, capacity in (("sdpa", None), ("flex", None), ("flex", (1500, 300))):
             model.zero_grad()
-            loss, _ = drafter_loss(model, batch, head.embed, head.lm_head, attention=kind)
+            loss, _ = drafter_loss(model, batch, head.embed, head.lm_head, attention=kind, capacity=capacity)
             loss.backward()
-            grads[kind] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
-        rel = (grads["sdpa"] - grads["flex"]).norm() / grads["sdpa"].norm()
-        assert float(rel) < 2e-2  # the backward too: forward agreement alone has hidden flex dK/dV bugs
+            grads[kind, capacity] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
+        ref = grads["sdpa", None]
+        for key in (("flex", None), ("flex", (1500, 300))):
+            rel = (ref - grads[key]).norm() / ref.norm()
+            assert float(rel) < 2e-2, key  # the backward too: forward agreement alone has hidden flex dK/dV bugs

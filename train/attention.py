@@ -103,13 +103,22 @@ def _make_mask_mod(q_idx: tuple[torch.Tensor, ...], k_idx: tuple[torch.Tensor, .
     return mask_mod
 
 
-def _flex_attend(batch: "PackedBatch", cfg: "DrafterConfig") -> "Attend":
+def _round128(n: int) -> int:
+    return -(-n // 128) * 128
+
+
+def _flex_attend(batch: "PackedBatch", cfg: "DrafterConfig", capacity: tuple[int, int] | None) -> "Attend":
     from torch.nn.attention.flex_attention import create_block_mask
 
     N, Q = batch.ctx_pos.shape[0], batch.num_blocks * batch.block_size
-    Np, Qp = bucket(N, 128), bucket(Q)
-    L = Np + Qp
     B = batch.block_size
+    if capacity is not None and N <= capacity[0] and batch.num_blocks <= capacity[1]:
+        # One shape for every batch of the run: flex and its block mask compile once. Bucketed shapes compiled
+        # again for every new bucket, 7-16 s each on an H200 (five times in a 200-step demo run).
+        Np, Qp = _round128(capacity[0]), _round128(capacity[1] * B)
+    else:
+        Np, Qp = bucket(N, 128), bucket(Q)
+    L = Np + Qp
     q_seq, q_anchor, q_pos, q_blk = query_index(batch)
     # Padded block queries form blocks of their own (ids >= A) in sequence -2; padded context keys belong to
     # sequence -1 and are seen by nobody. So padding changes no real row and no padded block row is empty.
@@ -150,8 +159,13 @@ def _flex_attend(batch: "PackedBatch", cfg: "DrafterConfig") -> "Attend":
     return attend
 
 
-def make_attend(batch: "PackedBatch", cfg: "DrafterConfig", kind: str = "sdpa") -> "Attend":
+def make_attend(batch: "PackedBatch", cfg: "DrafterConfig", kind: str = "sdpa",
+                capacity: tuple[int, int] | None = None) -> "Attend":
     """Return the Attend of a packed batch: "sdpa" (dense boolean mask, portable) or "flex" (CUDA block mask).
+
+    capacity (context tokens, blocks) is the most any batch of the run holds (--batch-tokens and its block cap):
+    flex then pads every batch to that one shape instead of to a size bucket; a batch over it falls back to
+    buckets.
 
     SDPA runs once per packed sequence (its blocks against its own context and blocks): the dense mask of the
     whole batch would be S times larger and almost all False.
@@ -159,7 +173,7 @@ def make_attend(batch: "PackedBatch", cfg: "DrafterConfig", kind: str = "sdpa") 
     from .model import expand_kv
 
     if kind == "flex":
-        return _flex_attend(batch, cfg)
+        return _flex_attend(batch, cfg, capacity)
     if kind != "sdpa":
         raise ConfigError(f"--attention {kind!r}: use flex or sdpa")
     N, B = batch.ctx_pos.shape[0], batch.block_size

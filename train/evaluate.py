@@ -36,7 +36,8 @@ def check_compatible(cfg: "DrafterConfig", header: dict[str, Any], drafter: str,
         )
 
 
-def _predict(model: "DFlashDrafter", batch: Any, head: "TargetHead", attention: str):
+def _predict(model: "DFlashDrafter", batch: Any, head: "TargetHead", attention: str,
+             capacity: tuple[int, int] | None = None):
     """Return (correct [A, B-1], counted [A, B-1], sum w*CE, sum w) of one packed batch."""
     import torch
     from torch.nn import functional as F
@@ -47,7 +48,8 @@ def _predict(model: "DFlashDrafter", batch: Any, head: "TargetHead", attention: 
     cfg = model.config
     B = batch.block_size
     embeds = F.embedding(batch.block_ids.reshape(-1), head.embed)
-    hidden = model(batch.features, batch.ctx_pos, embeds, batch.block_pos.reshape(-1), make_attend(batch, cfg, attention))
+    attend = make_attend(batch, cfg, attention, capacity)
+    hidden = model(batch.features, batch.ctx_pos, embeds, batch.block_pos.reshape(-1), attend)
     w = batch.weights[:, 1:]
     counted = w > 0
     rows = torch.nonzero(counted.reshape(-1), as_tuple=False)[:, 0]
@@ -77,7 +79,7 @@ def evaluate_shards(
     (fraction of blocks whose first k drafts are all right, k = 1..B-1), tau_hat = 1 + mean streak, counts."""
     import torch
 
-    from .objective import max_blocks_for, pack_batch
+    from .objective import batch_capacity, max_blocks_for, pack_batch
 
     cfg = model.config
     B = cfg.block_size
@@ -94,7 +96,7 @@ def evaluate_shards(
                            max_blocks=max_blocks_for(batch_tokens), seed=seed * 1_000_003 + k).to(device)
         if batch.num_blocks == 0:
             return
-        correct, counted, c, w = _predict(model, batch, head, attention)
+        correct, counted, c, w = _predict(model, batch, head, attention, batch_capacity(batch_tokens))
         hit = (correct & counted).double().cpu()
         hits.add_(hit.sum(0))
         counts.add_(counted.double().cpu().sum(0))

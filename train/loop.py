@@ -29,6 +29,7 @@ class Trainer:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from .model import DFlashDrafter
+        from .objective import batch_capacity
         from .target_head import load_target_head
 
         self.cfg, self.dist, dev = cfg, dist, dist.device
@@ -38,6 +39,7 @@ class Trainer:
         self.bf16 = cfg.dtype == "bfloat16"
         self.head = load_target_head(cfg.target, dtype=torch.bfloat16 if self.bf16 else torch.float32, device=dev)
         self.attention = cfg.attention if cfg.attention != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
+        self.capacity = batch_capacity(cfg.batch_tokens)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      fused=dev.type == "cuda")
         self.total = 1
@@ -70,10 +72,12 @@ class Trainer:
                     # Nothing to learn here, but DDP needs every rank to reduce every parameter's gradient.
                     loss = sum(p.sum() for p in self.ddp.parameters()) * 0.0
                     if b is not None:
-                        _, m = drafter_loss(self.ddp, b, self.head.embed, self.head.lm_head, attention=self.attention)
+                        _, m = drafter_loss(self.ddp, b, self.head.embed, self.head.lm_head,
+                                            attention=self.attention, capacity=self.capacity)
                         metrics = m if metrics is None else metrics + m
                 else:
-                    loss, m = drafter_loss(self.ddp, b, self.head.embed, self.head.lm_head, attention=self.attention)
+                    loss, m = drafter_loss(self.ddp, b, self.head.embed, self.head.lm_head,
+                                           attention=self.attention, capacity=self.capacity)
                     loss = loss * (w / max(total_w, 1e-12) * self.dist.world)
                     metrics = m if metrics is None else metrics + m
             loss.backward()

@@ -20,6 +20,7 @@ from .linear_ce import chunked_linear_ce
 __all__ = [
     "sample_anchors",
     "max_blocks_for",
+    "batch_capacity",
     "block_quotas",
     "decay_weights",
     "PackedBatch",
@@ -41,6 +42,11 @@ BLOCKS_PER_BATCH_TOKEN = 0.25
 def max_blocks_for(batch_tokens: int) -> int:
     """Return the most blocks (anchors) one batch of `batch_tokens` tokens may hold."""
     return max(1, int(batch_tokens * BLOCKS_PER_BATCH_TOKEN))
+
+
+def batch_capacity(batch_tokens: int) -> tuple[int, int]:
+    """Return (context tokens, blocks) that no batch of `batch_tokens` exceeds: the fixed attention shape."""
+    return batch_tokens, max_blocks_for(batch_tokens)
 
 
 def _candidates(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -267,11 +273,13 @@ def drafter_loss(
     *,
     attention: str = "sdpa",
     chunk_rows: int | None = None,
+    capacity: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """Return (loss = sum_k w_k CE_k / sum w_k over the batch, Metrics) for one packed batch.
 
     attention "sdpa" (dense boolean mask, any device) or "flex" (block mask, CUDA). embed_weight and
     lm_head_weight are the target's frozen tensors. The lm_head runs only on counted slots, in chunks.
+    capacity (see batch_capacity) gives flex one shape for the whole run.
     """
     from .attention import make_attend
 
@@ -279,7 +287,7 @@ def drafter_loss(
     B = batch.block_size
     if B != cfg.block_size:
         raise InputError(f"batch has blocks of {B} slots but the drafter was built for {cfg.block_size}")
-    attend = make_attend(batch, cfg, attention)
+    attend = make_attend(batch, cfg, attention, capacity)
     block_pos = batch.block_pos.reshape(-1)
     embeds = F.embedding(batch.block_ids.reshape(-1), embed_weight.detach())
     hidden = model(batch.features, batch.ctx_pos, embeds, block_pos, attend)  # [A*B, H]

@@ -274,3 +274,27 @@ def test_tensorboard_missing_is_a_clear_error(store, tiny_qwen3, tmp_path):
     with pytest.raises(DflashError, match="pip install tensorboard"):
         train(**opts(store, tiny_qwen3, tmp_path / "run", tensorboard=True))
     assert not (tmp_path / "run").exists()
+
+
+def test_the_step_total_plans_epochs_only_up_to_max_steps():
+    from dflash.train.loop import planned_total
+
+    asked: list[int] = []
+
+    def epoch_steps(e: int) -> int:
+        asked.append(e)
+        return 8 + e % 2
+
+    assert planned_total(epoch_steps, 0, 100_000, 700) == 700
+    assert asked == list(range(len(asked))) and 700 <= sum(8 + e % 2 for e in asked) < 700 + 9
+    asked.clear()
+    assert planned_total(epoch_steps, 1, 4, 0, done=5) == 5 + 9 + 8 + 9 and asked == [1, 2, 3]
+    assert planned_total(epoch_steps, 0, 3, 1000) == 8 + 9 + 8  # fewer planned steps than the cap
+
+
+def test_max_steps_caps_a_run_of_a_million_epochs(store, tiny_qwen3, tmp_path):
+    # Planning every one of a million epochs to find the step total would run for hours before the first step.
+    run = tmp_path / "run"
+    train(**opts(store, tiny_qwen3, run, epochs=1_000_000, max_steps=5, save_every=5))
+    steps = [r for r in read_metrics(run) if r.get("split") == "train"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5] and steps[-1]["eta_s"] == 0

@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..errors import ConfigError
 from .checkpoint import load_trainer_state, prune, rng_state, save_checkpoint, set_rng_state, write_run_record
@@ -147,6 +147,21 @@ def _estimate_total(cfg: Any, plans_steps: int, shards_seen: int, train_count: i
     return min(total, cfg.max_steps) if cfg.max_steps else max(1, total)
 
 
+def planned_total(epoch_steps: Callable[[int], int], first_epoch: int, epochs: int, max_steps: int,
+                  done: int = 0) -> int:
+    """Return the run's total steps: `done` plus the planned steps of epochs first_epoch.., capped by max_steps.
+
+    Epochs are planned only until the cap is reached: a run of --epochs 100000 --max-steps 700 plans ~90 epochs,
+    not 100,000 (which took minutes before its first step).
+    """
+    total = done
+    for e in range(first_epoch, epochs):
+        if max_steps and total >= max_steps:
+            break
+        total += epoch_steps(e)
+    return min(total, max_steps) if max_steps else total
+
+
 def train_rank(cfg: Any) -> None:
     """Train on this process's rank (RANK/WORLD_SIZE from torchrun or our launcher; a world of one otherwise)."""
     import torch
@@ -189,8 +204,7 @@ def train_rank(cfg: Any) -> None:
         if not state.rounds or state.follow_done:  # --epochs or --max-steps may have changed: the schedule follows
             first = (sum(plan_round(lengths.load(r), r, epoch=0, round_index=i, **plan_kw).steps
                          for i, r in enumerate(state.rounds)) if state.rounds else epoch_steps(0))
-            trainer.total = first + sum(epoch_steps(e) for e in range(1, cfg.epochs))
-            trainer.total = min(trainer.total, cfg.max_steps) if cfg.max_steps else trainer.total
+            trainer.total = planned_total(epoch_steps, 1, cfg.epochs, cfg.max_steps, done=first)
         set_rng_state(ts["rng"][dist.rank] if dist.rank < len(ts["rng"]) else ts["rng"][0])
         if dist.rank == 0:
             truncate_metrics(run, step)
@@ -205,8 +219,7 @@ def train_rank(cfg: Any) -> None:
             if len(state.shards) < len(train_ids):
                 log.warning("%s: %d of %d training shards are committed; training on those (--follow waits for all)",
                             cfg.store, len(state.shards), len(train_ids))
-            trainer.total = sum(epoch_steps(e) for e in range(cfg.epochs))
-            trainer.total = min(trainer.total, cfg.max_steps) if cfg.max_steps else trainer.total
+            trainer.total = planned_total(epoch_steps, 0, cfg.epochs, cfg.max_steps)
         else:
             trainer.total = cfg.max_steps or 1  # re-estimated once the first shards arrive
     dist.barrier()
@@ -319,7 +332,7 @@ def train_rank(cfg: Any) -> None:
                 state.follow_done = True
                 state.shards = sorted({s for r in state.rounds for s in r})
                 if not cfg.max_steps:
-                    trainer.total = step + sum(epoch_steps(e) for e in range(1, cfg.epochs))
+                    trainer.total = planned_total(epoch_steps, 1, cfg.epochs, 0, done=step)
                     if runlog is not None:
                         runlog.set_total(trainer.total)
             if runlog is not None:

@@ -298,3 +298,33 @@ def test_max_steps_caps_a_run_of_a_million_epochs(store, tiny_qwen3, tmp_path):
     train(**opts(store, tiny_qwen3, run, epochs=1_000_000, max_steps=5, save_every=5))
     steps = [r for r in read_metrics(run) if r.get("split") == "train"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5] and steps[-1]["eta_s"] == 0
+
+
+def test_pinned_buffers_of_several_sizes_are_reused_by_identity(store):
+    import torch
+
+    from dflash.train.stream import _ShardPrefetcher, take_buffer
+
+    small, big, bigger = (torch.zeros(n, dtype=torch.bfloat16) for n in (10, 50, 90))
+    buf, rest = take_buffer([small, big, bigger], 40)  # list.remove(big) compared small == big: size mismatch
+    assert buf is big and len(rest) == 2 and rest[0] is small and rest[1] is bigger
+    assert take_buffer([small], 11) == (None, [small])
+
+    class Unpinned(_ShardPrefetcher):  # this machine has no pinned-memory allocator (no GPU); the pool is the same
+        def _alloc(self, n):
+            return torch.empty(n, dtype=torch.bfloat16)
+
+    st = Store.open(store)
+    tokens = {sid: int(st.commit_record(sid)["num_tokens"]) for sid in st.committed_ids()}
+    by_size = sorted(tokens, key=tokens.get)
+    assert len(set(tokens.values())) >= 3
+    order = [by_size[0], *reversed(by_size[1:])]  # a small buffer in the pool, then larger shards that need others
+    pf = Unpinned(st, order, capacity=2, skip_corrupt=False, pin=True)
+    try:
+        for sid in order:
+            got = pf.get(sid)
+            want = st.read_shard(sid)
+            assert torch.equal(got.features.float(), want.features.float())
+            pf.release(sid)
+    finally:
+        pf.close()

@@ -45,6 +45,19 @@ class StepData:
     skipped_samples: int
 
 
+def take_buffer(free: list[Any], n: int) -> tuple[Any, list[Any]]:
+    """Return (the smallest buffer of `free` holding >= n elements or None, the others), matched by identity.
+
+    Not `free.remove(buf)`: list.remove compares with ==, which for tensors is elementwise and raised a size
+    mismatch as soon as the pool held buffers of two sizes (an H200 run on a store of uneven shards).
+    """
+    fits = [b for b in free if b.numel() >= n]
+    if not fits:
+        return None, free
+    buf = min(fits, key=lambda b: b.numel())
+    return buf, [b for b in free if b is not buf]
+
+
 class _ShardPrefetcher:
     """Reads whole shards in a fixed order on a thread, holding at most `capacity` shards at once."""
 
@@ -70,15 +83,17 @@ class _ShardPrefetcher:
         n = max(1, int(rec["num_tokens"]) * len(self.store.header["layer_ids"]) * int(self.store.header["hidden_size"]))
         # Pinning memory is slow (it maps and locks every page), so released buffers are reused for later shards.
         with self.cond:
-            fits = [b for b in self.free if b.numel() >= n]
-            buf = min(fits, key=lambda b: b.numel()) if fits else None
-            if buf is not None:
-                self.free.remove(buf)
+            buf, self.free = take_buffer(self.free, n)
         if buf is None:
-            buf = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+            buf = self._alloc(n)
         with self.cond:
             self.buffers[sid] = buf
         return self.store.read_shard(sid, out=buf)
+
+    def _alloc(self, n: int) -> Any:
+        import torch
+
+        return torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
 
     def _run(self) -> None:
         for sid in self.order:

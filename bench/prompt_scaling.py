@@ -77,11 +77,6 @@ def _answer(target: str, lines: list[str], path: Path, args, budget) -> None:
           flush=True)
 
 
-def _rows(path: Path) -> list[str]:
-    recs = [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    return [json.dumps(r, ensure_ascii=False) for r in sorted(recs, key=lambda r: r["source_row"])]
-
-
 def run(args, work: Path, target: str) -> dict:
     import torch
 
@@ -121,13 +116,14 @@ def run(args, work: Path, target: str) -> dict:
                                   mask_token_id=demo.SMOLLM2_MASK_TOKEN, dtype="float32"))
         return store, s
 
-    val_store, _ = make_store("held", _rows(work / "held.jsonl"))
+    val_store, _ = make_store("held", demo._answers_by_row(work / "held.jsonl", len(held)))
     val = Store.open(str(val_store))
     val_ids = sorted(val.committed_ids())
     dev = torch.device(args.device)
     head = load_target_head(target, dtype=torch.float32, device=dev)
     attention = "flex" if dev.type == "cuda" else "sdpa"
-    kept_rows, self_rows = _rows(work / "kept.jsonl"), _rows(work / "self.jsonl")
+    kept_rows = demo._answers_by_row(work / "kept.jsonl", len(kept))
+    self_rows = demo._answers_by_row(work / "self.jsonl", len(selfp))
     result = {"bundled_train_prompts": len(kept_rows), "held_out_prompts": len(held), "arms": {}}
     for k in [int(x) for x in args.arms.split(",")]:
         if args.deadline and time.perf_counter() - t0 > args.deadline:

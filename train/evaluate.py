@@ -83,6 +83,7 @@ def evaluate_shards(
 
     cfg = model.config
     B = cfg.block_size
+    capacity = batch_capacity(batch_tokens)  # one flex shape for every batch, as in training
     hits = torch.zeros(B - 1, dtype=torch.float64)
     counts = torch.zeros(B - 1, dtype=torch.float64)
     streak_hist = torch.zeros(B, dtype=torch.float64)  # blocks with streak exactly s, s = 0..B-1
@@ -96,7 +97,7 @@ def evaluate_shards(
                            max_blocks=max_blocks_for(batch_tokens), seed=seed * 1_000_003 + k).to(device)
         if batch.num_blocks == 0:
             return
-        correct, counted, c, w = _predict(model, batch, head, attention, batch_capacity(batch_tokens))
+        correct, counted, c, w = _predict(model, batch, head, attention, capacity)
         hit = (correct & counted).double().cpu()
         hits.add_(hit.sum(0))
         counts.add_(counted.double().cpu().sum(0))

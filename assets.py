@@ -13,9 +13,9 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from pathlib import Path
 
+from .atomic import publish_dir, temp_dir, write_durable
 from .errors import AssetError
 
 __all__ = [
@@ -76,22 +76,6 @@ def _require_gguf() -> None:
             "converting the embedded SmolLM2 target needs the Python package gguf (transformers reads GGUF files "
             f"with it), found it missing; run: {GGUF_PIP}"
         )
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file under root, then every folder, so a rename publishes bytes that are really on disk."""
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _read_marker(folder: Path) -> dict | None:
@@ -183,7 +167,7 @@ def smollm2_folder() -> Path:
             "set DFLASH_CACHE to a writable folder"
         ) from None
     _remove_orphans(root)
-    tmp = root / f".{SMOLLM2_FOLDER_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp = temp_dir(final)
     try:
         convert_gguf(gguf_path, tmp, dtype="bfloat16")
         marker = {
@@ -192,24 +176,15 @@ def smollm2_folder() -> Path:
             "source_bytes": gguf_path.stat().st_size,
             "dtype": "bfloat16",
         }
-        with open(tmp / MARKER_NAME, "w", encoding="utf-8") as f:
-            json.dump(marker, f, indent=2)
-            f.write("\n")
-        _fsync_tree(tmp)
-        try:
-            # Renaming a folder onto an existing non-empty folder fails atomically: exactly one process publishes.
-            os.rename(tmp, final)
-        except OSError:
-            if _read_marker(final) is None:
-                raise
-            log.info("another process published %s first; discarding this copy", final)
-        else:
-            fd = os.open(root, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        write_durable(tmp / MARKER_NAME, json.dumps(marker, indent=2) + "\n")
+        # Renaming a folder onto an existing non-empty folder fails atomically: exactly one process publishes.
+        if publish_dir(tmp, final):
             log.info("SmolLM2 folder ready at %s", final)
+        elif _read_marker(final) is None:
+            raise AssetError(f"{final}: another process published a folder without {MARKER_NAME}; remove it and "
+                             f"rerun: rm -rf {final}")
+        else:
+            log.info("another process published %s first; discarding this copy", final)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -258,7 +258,7 @@ def generate(**opts: Any) -> None:
     from .config import GenerateConfig
 
     cfg = GenerateConfig(**opts)
-    from .extract import generate as stage
+    from . import generate as stage
 
     stage.run(cfg)
 

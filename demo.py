@@ -204,7 +204,8 @@ def _decode(out: Path, cfg: "DemoConfig", budget: Budget, prompts: list[list[int
     """Return the summary of speculative vs greedy decoding of the prompts, resuming from OUT/decode.jsonl."""
     import torch
 
-    from .train.speculative import compare_one, drafter_proposer, load_target, open_drafter, summarize
+    from .drafter.decode import compare_one, drafter_proposer, load_target, summarize
+    from .train.checkpoint import open_drafter
 
     device = "cuda" if cfg.device == "cuda" else "cpu"
     # fp32 both ways: greedy ties then break the same in a one-token step and in a block verification.
@@ -251,7 +252,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
     rows_per_prompt = 1 + budget.samples
 
     def generate() -> dict[str, Any]:
-        from .extract.generate import run as gen
+        from .generate import run as gen
 
         def answer(prompts: Path, into: Path, temperature: float):
             return gen(GenerateConfig(model=str(target), prompts=str(prompts), out=str(into), temperature=temperature,

@@ -18,8 +18,9 @@ import torch
 
 from dflash.facts import build_target_layer_ids
 from dflash.testing import QWEN3_8B_CONFIG
-from dflash.train.model import DFlashDrafter, DrafterConfig
-from dflash.train.objective import PackedBatch, drafter_loss, pack_batch
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.drafter.batch import PackedBatch
+from dflash.train.objective import drafter_loss, pack_batch
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def check_flex_against_sdpa(device: torch.device) -> dict[str, float]:
     Variants: grouped k/v handed to flex (enable_gqa) or repeated per head, compiled or eager flex; the first one
     whose gradients agree tells which path training may use.
     """
-    from dflash.train import attention as attn
+    from dflash.drafter import attention as attn
 
     res: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16):

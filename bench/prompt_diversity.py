@@ -63,14 +63,15 @@ def main() -> None:
     from dflash.assets import smollm2_folder
     from dflash.config import ExtractConfig, GenerateConfig, TrainConfig
     from dflash.extract import run as extract
-    from dflash.extract.generate import run as generate
+    from dflash.generate.answer import run as generate
     from dflash.extract.plan import shard_ranges
     from dflash.storage import Store
     from dflash.train import run as train
     from dflash.train.checkpoint import read_run_record
     from dflash.train.evaluate import evaluate_shards
-    from dflash.train.export import find_checkpoint, load_drafter
-    from dflash.train.target_head import load_target_head
+    from dflash.drafter.files import load_drafter
+    from dflash.train.checkpoint import find_checkpoint
+    from dflash.drafter.target_head import load_target_head
 
     base, work = Path(args.demo), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -66,7 +66,7 @@ def self_prompts(target: str, n: int, batch: int, device: str, seed: int, exclud
 def _answer(target: str, lines: list[str], path: Path, args, budget) -> None:
     """Answer prompt lines (JSON, as `dflash generate` reads them) greedily into path."""
     from dflash.config import GenerateConfig
-    from dflash.extract.generate import run as generate
+    from dflash.generate.answer import run as generate
 
     src = path.with_suffix(".prompts.jsonl")
     src.write_text("".join(ln + "\n" for ln in lines), encoding="utf-8")
@@ -82,14 +82,15 @@ def run(args, work: Path, target: str) -> dict:
 
     from dflash import demo
     from dflash.assets import prompts_path
-    from dflash.extract.generate import read_prompts
+    from dflash.generate.answer import read_prompts
     from dflash.config import ExtractConfig, TrainConfig
     from dflash.extract import run as extract
     from dflash.storage import Store
     from dflash.train import run as train
     from dflash.train.evaluate import evaluate_shards
-    from dflash.train.export import load_drafter, step_folders
-    from dflash.train.target_head import load_target_head
+    from dflash.drafter.files import load_drafter
+    from dflash.train.checkpoint import Checkpointer
+    from dflash.drafter.target_head import load_target_head
 
     t0 = time.perf_counter()
     budget = demo.BUDGETS[args.budget]
@@ -142,7 +143,7 @@ def run(args, work: Path, target: str) -> dict:
                           log_every=max(1, args.steps // 10), dtype="bfloat16", warmup_ratio=0.04))
         t_train = time.perf_counter() - t
         curve = []
-        for step, folder in step_folders(run_dir):
+        for step, folder in Checkpointer(run_dir).folders():
             model = load_drafter(folder, dtype=torch.float32).to(dev)
             out = evaluate_shards(model, head, val, val_ids, batch_tokens=budget.batch_tokens,
                                   anchors=budget.anchors, device=dev, attention=attention)

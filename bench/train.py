@@ -32,11 +32,11 @@ from dflash.storage import Store
 from dflash.storage.synthetic import activation_bits
 from dflash.testing import QWEN3_8B_CONFIG
 from dflash.train.dist import Dist
-from dflash.train.loader import plan_round
-from dflash.train.loop import Trainer
+from dflash.train.plan import plan_round
+from dflash.train.loop import Learner
 from dflash.train.objective import max_blocks_for
-from dflash.train.setup import ShardLengths, drafter_config
-from dflash.train.stream import RoundStream
+from dflash.train.prepare import ShardLengths, drafter_config
+from dflash.train.stream import RoundStream, StreamSpec
 
 log = logging.getLogger("bench.train")
 
@@ -132,18 +132,19 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    trainer = Trainer(cfg, dcfg, dist)
+    trainer = Learner(cfg, dcfg, dist)
     ids = store.committed_ids()
     plan = plan_round(ShardLengths(store, False).load(ids), ids, num_slots=1, seed=0, epoch=0, round_index=0,
                       batch_tokens=cfg.batch_tokens, buffer_tokens=4 * cfg.batch_tokens)
     n = args.warmup + args.steps
     assert plan.steps >= n, f"the store has {plan.steps} steps, need {n}; pass more --shards"
 
+    spec = StreamSpec(slots=[0], seed=0, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
+                      anchors=cfg.anchors, max_blocks=max_blocks_for(cfg.batch_tokens), device=device,
+                      depth=cfg.prefetch_shards)
+
     def stream(start: int) -> RoundStream:
-        return RoundStream(store, plan, slots=[0], epoch=0, step_offset=0, start=start, seed=0,
-                           block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, anchors=cfg.anchors,
-                           max_blocks=max_blocks_for(cfg.batch_tokens), device=device, depth=cfg.prefetch_shards,
-                           skip_corrupt=False)
+        return RoundStream(store, plan, spec, epoch=0, step_offset=0, start=start)
 
     # Preload: the steps' batches, built by the same stream, kept on the GPU.
     s = stream(0)

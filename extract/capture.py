@@ -27,24 +27,10 @@ def _attn_implementation(device: torch.device) -> str:
 
 
 def load_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> Any:
-    """Return the target as an eval-mode causal LM on `device` in `dtype`; a bad folder is an InputError."""
-    from transformers import AutoModelForCausalLM
+    """Return the target as an eval-mode causal LM on `device` in `dtype`, with the fastest attention there."""
+    from ..target import load_target as load
 
-    kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=_attn_implementation(device))
-    if device.type == "cuda":
-        kwargs["device_map"] = {"": device.index or 0}  # load straight onto the GPU, not through host memory
-    try:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
-        except ImportError:  # device_map needs accelerate on some transformers versions: load via host memory
-            kwargs.pop("device_map", None)
-            model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
-    except (OSError, ValueError) as e:
-        raise InputError(
-            f"--model {model_dir}: expected a Hugging Face model folder (config.json + weights), "
-            f"loading failed with {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        ) from None
-    return model.to(device).eval()
+    return load(model_dir, device=device, dtype=dtype, attn_implementation=_attn_implementation(device))
 
 
 class TargetRunner:

@@ -8,33 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..conversations import ROLES, message, SHAREGPT_ROLES
 from ..errors import InputError
 
-__all__ = ["Row", "BadRowLog", "input_files", "read_rows", "fingerprint", "normalise", "BAD_ROW_REASONS"]
+__all__ = ["Row", "BadRowLog", "input_files", "read_rows", "fingerprint", "normalise"]
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
-# ShareGPT speakers seen in the wild, mapped to chat roles.
-_SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "model": "assistant",
-}
-BAD_ROW_REASONS = (
-    "malformed_json",
-    "unknown_shape",
-    "unknown_role",
-    "empty_content",
-    "non_string_content",
-    "no_assistant_turn",
-    "template_error",
-    "no_loss_tokens",
-)
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 
 
@@ -178,14 +158,14 @@ def normalise(rec: Any) -> list[dict[str, str]]:
             if not isinstance(turn, dict):
                 raise _BadRow("unknown_shape", f"turn {k} is a {type(turn).__name__}, expected an object")
             if sharegpt or ("from" in turn and "role" not in turn):
-                role = _SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
+                role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
                 raw_role, content = turn.get("from"), turn.get("value")
             else:
                 raw_role, content = turn.get("role"), turn.get("content")
                 role = raw_role if raw_role in ROLES else None
             if role is None:
                 raise _BadRow("unknown_role", f"turn {k} has role {raw_role!r}, expected one of {', '.join(ROLES)}")
-            out.append({"role": role, "content": _text(content, f"turn {k} content")})
+            out.append(message(role, _text(content, f"turn {k} content")))
     elif "instruction" in rec and "output" in rec:
         prompt = _text(rec["instruction"], "instruction")
         extra = rec.get("input")
@@ -193,8 +173,8 @@ def normalise(rec: Any) -> list[dict[str, str]]:
             prompt = f"{prompt}\n\n{extra}"
         out = []
         if isinstance(rec.get("system"), str) and rec["system"].strip():
-            out.append({"role": "system", "content": rec["system"]})
-        out += [{"role": "user", "content": prompt}, {"role": "assistant", "content": _text(rec["output"], "output")}]
+            out.append(message("system", rec["system"]))
+        out += [message("user", prompt), message("assistant", _text(rec["output"], "output"))]
     else:
         keys = ", ".join(sorted(map(str, rec))[:6])
         raise _BadRow("unknown_shape", f"keys [{keys}]; expected messages, conversations or instruction+output")

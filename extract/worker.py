@@ -103,7 +103,6 @@ def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Repor
         on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}),
     )
     ranges = shard_ranges(len(rows), header["shard_plan"]["rows_per_shard"])
-    store.write_threads = cfg.writer_threads
 
     def samples_for(shard_id: int) -> tuple[list[Any], dict[str, Any]]:
         start, stop = ranges[shard_id]
@@ -112,7 +111,7 @@ def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Repor
         return samples, {"rows": [start, stop], "dropped": dropped.to_dict()}
 
     try:
-        result = fill_shards(store, samples_for, pipeline, report, spec)
+        result = fill_shards(store, samples_for, pipeline, report, spec, writer_threads=cfg.writer_threads)
     except BaseException as e:
         if _disk_full(e):
             raise StoreError(
@@ -123,7 +122,8 @@ def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Repor
     return result
 
 
-def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report, spec: WorkerSpec) -> dict[str, Any]:
+def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report, spec: WorkerSpec, *,
+                writer_threads: int | None = None) -> dict[str, Any]:
     """Return this worker's totals after claiming and committing every shard it could get, one claim at a time.
 
     samples_for(shard_id) gives the shard's samples and the commit extra (rows, drops). A shard is committed by
@@ -142,7 +142,7 @@ def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report
     k = spec.index % max(1, len(todo))
     try:
         for shard_id in todo[k:] + todo[:k]:
-            writer = store.try_claim(shard_id)
+            writer = store.try_claim(shard_id, threads=writer_threads)
             if writer is None:
                 continue
             open_writers[shard_id] = writer

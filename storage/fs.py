@@ -7,6 +7,8 @@ import os
 import uuid
 from typing import Any
 
+from ..atomic import fsync_dir, write_atomic, write_durable
+
 __all__ = ["StoreFS", "LocalFS", "FsspecFS", "open_fs", "PARTIAL_SUFFIX", "aligned_buffer", "is_aligned", "ALIGN"]
 
 log = logging.getLogger(__name__)
@@ -67,10 +69,6 @@ class StoreFS:
         """Return True if a folder was removed with everything in it."""
         raise NotImplementedError
 
-    def rename(self, src: str, dst: str) -> bool:
-        """Return True if src was moved to dst, False if src was gone."""
-        raise NotImplementedError
-
     def makedirs(self, rel: str) -> None:
         """Create a folder and its parents if missing."""
         raise NotImplementedError
@@ -129,33 +127,16 @@ class LocalFS(StoreFS):
 
     def write_file(self, rel: str, data: Any) -> None:
         """Write data (bytes or a contiguous buffer) to the file and fsync it; not atomic (the commit is)."""
-        fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data).cast("B")
-            done = 0
-            while done < len(view):
-                done += os.write(fd, view[done:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_durable(self.path(rel), data)
 
     def _write_temp(self, rel: str, data: bytes) -> str:
         tmp = f"{self.path(rel)}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_durable(tmp, data)
         return tmp
 
     def write_atomic(self, rel: str, data: bytes) -> None:
-        """Write data to a temp file, fsync it, rename it into place and fsync the folder."""
-        tmp = self._write_temp(rel, data)
-        try:
-            os.replace(tmp, self.path(rel))
-        except BaseException:
-            _silent_unlink(tmp)
-            raise
-        self.fsync_dir(os.path.dirname(rel))
+        """Write data to a temp file (`*.partial`), fsync it, rename it into place and fsync the folder."""
+        write_atomic(self.path(rel), data, suffix=PARTIAL_SUFFIX)
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Return True if this call created the file with exactly data (link of a fsynced temp), False if it existed."""
@@ -188,27 +169,12 @@ class LocalFS(StoreFS):
         shutil.rmtree(p, ignore_errors=True)
         return True
 
-    def rename(self, src: str, dst: str) -> bool:
-        """Return True if this call moved src to dst; False if src was already gone (another process won)."""
-        try:
-            os.rename(self.path(src), self.path(dst))
-            return True
-        except FileNotFoundError:
-            return False
-
     def makedirs(self, rel: str) -> None:
         os.makedirs(self.path(rel), exist_ok=True)
 
     def fsync_dir(self, rel: str) -> None:
         """Fsync a folder so the names created in it survive a power loss."""
-        fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        except OSError as e:  # some file systems (e.g. certain network mounts) refuse fsync on folders
-            if e.errno not in (errno.EINVAL, errno.ENOTSUP):
-                raise
-        finally:
-            os.close(fd)
+        fsync_dir(self.path(rel))
 
 
 class FsspecFS(StoreFS):
@@ -281,13 +247,6 @@ class FsspecFS(StoreFS):
             return False
         self.fs.rm(self.path(rel), recursive=True)
         return True
-
-    def rename(self, src: str, dst: str) -> bool:
-        try:
-            self.fs.mv(self.path(src), self.path(dst))
-            return True
-        except FileNotFoundError:
-            return False
 
     def makedirs(self, rel: str) -> None:
         self.fs.makedirs(self.path(rel), exist_ok=True)

@@ -5,6 +5,7 @@ import json
 import logging
 from typing import Any
 
+from ..nested import nested_diff
 from ..errors import ManifestMismatch, StoreError
 from .codec import CODECS
 
@@ -12,7 +13,6 @@ __all__ = [
     "FORMAT_VERSION",
     "ROOT_META",
     "COMPLETE",
-    "FEATURE_ARRAYS",
     "shard_dir",
     "commit_path",
     "claim_path",
@@ -35,7 +35,6 @@ COMMITS = "commits"
 CLAIMS = "claims"
 # Keys storage adds to the header itself; never part of a comparison the caller asked for.
 _OWN_KEYS = ("format_version",)
-FEATURE_ARRAYS = ("features", "feature_scales")
 
 
 def shard_dir(shard_id: int) -> str:
@@ -104,30 +103,10 @@ def validate_header(header: dict, where: str) -> None:
         raise StoreError(f"{where}: invalid store header: {'; '.join(problems)}")
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(obj, dict) and obj:
-        for k, v in obj.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
-    else:
-        out[prefix] = obj
-
-
 def header_diff(stored: dict, expected: dict) -> list[tuple[str, Any, Any]]:
     """Return (dotted field, stored value, expected value) for every field that differs; missing reads as None."""
-    a: dict[str, Any] = {}
-    b: dict[str, Any] = {}
-    _flatten({k: v for k, v in stored.items() if k not in _OWN_KEYS}, "", a)
-    _flatten({k: v for k, v in expected.items() if k not in _OWN_KEYS}, "", b)
-    missing = object()
-    diffs = []
-    for key in sorted(set(a) | set(b)):
-        va, vb = a.get(key, missing), b.get(key, missing)
-        # JSON round trip makes tuples lists, so compare the JSON forms.
-        if json.dumps(va if va is not missing else None, sort_keys=True) != json.dumps(
-            vb if vb is not missing else None, sort_keys=True
-        ):
-            diffs.append((key, None if va is missing else va, None if vb is missing else vb))
-    return diffs
+    return nested_diff({k: v for k, v in stored.items() if k not in _OWN_KEYS},
+                       {k: v for k, v in expected.items() if k not in _OWN_KEYS})
 
 
 def check_header(stored: dict, expected: dict, where: str) -> None:

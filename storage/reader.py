@@ -70,12 +70,24 @@ class ShardData:
 
 def load_record(fs: StoreFS, shard_id: int, verify: bool = True) -> dict:
     """Return a shard's commit record; CorruptShard if it is unreadable or (verify) its digest does not match."""
+    return parse_record(fs, shard_id, read_record_bytes(fs, shard_id), verify)
+
+
+def read_record_bytes(fs: StoreFS, shard_id: int) -> bytes:
+    """Return the raw bytes of a shard's commit record; CorruptShard if it has none."""
+    path = commit_path(shard_id)
+    try:
+        return fs.read_bytes(path)
+    except FileNotFoundError:
+        raise CorruptShard(f"{fs.display(path)}: shard {shard_id} is not committed (no commit record)") from None
+
+
+def parse_record(fs: StoreFS, shard_id: int, raw: bytes, verify: bool = True) -> dict:
+    """Return the commit record in `raw`; CorruptShard if it is not one or (verify) its digest does not match."""
     path = commit_path(shard_id)
     fix = f"run `dflash verify {fs.url} --repair` and rerun extract to redo it"
     try:
-        record = json.loads(fs.read_bytes(path))
-    except FileNotFoundError:
-        raise CorruptShard(f"{fs.display(path)}: shard {shard_id} is not committed (no commit record)") from None
+        record = json.loads(raw)
     except ValueError as e:
         raise CorruptShard(f"{fs.display(path)}: commit record is not valid JSON ({e}); {fix}") from None
     if not isinstance(record, dict):

@@ -1,11 +1,11 @@
-"""Store: open or create a feature store, claim and commit shards, read them, follow a store being written."""
+"""Store: open or create a feature store, claim and commit shards, read them (follow.py follows one being written)."""
 from __future__ import annotations
 
 import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,7 +27,16 @@ from .layout import (
     shard_dir,
     validate_header,
 )
-from .reader import SMALL_ARRAYS, ShardData, invariant_problems, load_record, read_features, read_small
+from .reader import (
+    SMALL_ARRAYS,
+    ShardData,
+    invariant_problems,
+    load_record,
+    parse_record,
+    read_features,
+    read_record_bytes,
+    read_small,
+)
 from .writer import ShardWriter
 
 if TYPE_CHECKING:
@@ -50,7 +59,7 @@ class Store:
         self.header = header
         # Chunking is a property of each shard (its record says it), so writers may choose it freely.
         self.chunk_tokens = int(chunk_tokens or DEFAULT_CHUNK_TOKENS)
-        self.write_threads = min(8, max(2, os.cpu_count() or 2))
+        self._records: dict[int, tuple[bytes, dict]] = {}  # shard id -> (raw record, parsed record)
 
     # -- opening -------------------------------------------------------------------------------------------------
     @classmethod
@@ -112,16 +121,31 @@ class Store:
         return sorted(i for i in ids if i is not None)
 
     def commit_record(self, shard_id: int) -> dict:
-        """Return a committed shard's record (counts, bytes, checksums, writer, extra); CorruptShard if damaged."""
-        return load_record(self.fs, shard_id)
+        """Return a committed shard's record (counts, bytes, checksums, writer, extra); CorruptShard if damaged.
+
+        The file is read every time (a record may be withdrawn and redone), but parsed and digest-checked only
+        when its bytes changed since this Store last read it.
+        """
+        raw = read_record_bytes(self.fs, shard_id)
+        cached = self._records.get(shard_id)
+        if cached is not None and cached[0] == raw:
+            return cached[1]
+        record = parse_record(self.fs, shard_id, raw)
+        self._records[shard_id] = (raw, record)
+        return record
+
+    def sample_lengths(self, shard_id: int) -> np.ndarray:
+        """Return the token count of every sample of a committed shard (from its small `offsets` array)."""
+        return np.diff(read_small(self.fs, shard_id, self.commit_record(shard_id), "offsets"))
 
     def _check_id(self, shard_id: int) -> None:
         if not (isinstance(shard_id, (int, np.integer)) and 0 <= shard_id < self.num_shards):
             raise StoreError(f"{self.fs.display()}: shard id {shard_id!r} is outside the plan 0..{self.num_shards - 1}")
 
     # -- writing -------------------------------------------------------------------------------------------------
-    def try_claim(self, shard_id: int) -> ShardWriter | None:
-        """Return a writer for the shard, or None if it is committed or claimed by a live process."""
+    def try_claim(self, shard_id: int, *, threads: int | None = None) -> ShardWriter | None:
+        """Return a writer for the shard (encoding on `threads` threads, default 2-8 by CPU count), or None if it
+        is committed or claimed by a live process."""
         self._check_id(shard_id)
         if self.fs.exists(commit_path(shard_id)):
             return None
@@ -133,7 +157,8 @@ class Store:
             claims.release(self.fs, shard_id, claim)
             return None
         self.fs.rmtree(shard_dir(shard_id))
-        return ShardWriter(self, int(shard_id), claim, self.chunk_tokens, self.write_threads)
+        threads = threads or min(8, max(2, os.cpu_count() or 2))
+        return ShardWriter(self.fs, self.header, int(shard_id), claim, self.chunk_tokens, threads)
 
     def withdraw(self, shard_id: int) -> bool:
         """Return True if a commit record was removed, so the shard counts as never written (and the store as not
@@ -186,18 +211,10 @@ class Store:
             log.info("gc %s: removed %s", self.fs.display(), removed)
         return removed
 
-    def follow(
-        self, *, poll: float = 0.5, max_poll: float = 5.0, include_existing: bool = True, timeout: float | None = None
-    ) -> Iterator[int]:
-        """Return an iterator over shard ids as they commit; it ends when the store is complete (see follow.py)."""
-        from .follow import follow_commits
-
-        return follow_commits(self, poll=poll, max_poll=max_poll, include_existing=include_existing, timeout=timeout)
-
     # -- reading -------------------------------------------------------------------------------------------------
     def read_shard(self, shard_id: int, *, verify: bool = True, out: "torch.Tensor | None" = None) -> ShardData:
         """Return a whole committed shard; features land in `out` (e.g. pinned, at least T*L*H bf16) if given."""
-        record = load_record(self.fs, shard_id, verify)
+        record = self.commit_record(shard_id) if verify else load_record(self.fs, shard_id, verify)
         small = {name: read_small(self.fs, shard_id, record, name, verify) for name in SMALL_ARRAYS}
         problems = invariant_problems(record, self.header, small)
         if problems:
@@ -209,7 +226,7 @@ class Store:
 
     def read_sample(self, shard_id: int, index: int) -> tuple[np.ndarray, np.ndarray, "torch.Tensor"]:
         """Return (input_ids, loss_mask, features) of one sample, reading only the chunks it spans."""
-        record = load_record(self.fs, shard_id)
+        record = self.commit_record(shard_id)
         offsets = read_small(self.fs, shard_id, record, "offsets")
         n = offsets.shape[0] - 1
         if not 0 <= index < n:

@@ -6,17 +6,15 @@ import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..errors import StoreError
 from . import claims
+from .fs import StoreFS
 from .codec import array_metadata, encode_chunk, feature_dtype, to_fp8
 from .layout import FORMAT_VERSION, commit_path, dumps, group_metadata, record_digest, shard_dir
-
-if TYPE_CHECKING:
-    from .store import Store
 
 __all__ = ["ShardWriter", "features_to_bits"]
 
@@ -47,13 +45,12 @@ class ShardWriter:
     one copy of the features (the caller may reuse its buffer as soon as append returns).
     """
 
-    def __init__(self, store: "Store", shard_id: int, claim: claims.Claim, chunk_tokens: int, threads: int) -> None:
-        self.store = store
+    def __init__(self, fs: StoreFS, header: dict, shard_id: int, claim: claims.Claim, chunk_tokens: int,
+                 threads: int) -> None:
         self.shard_id = shard_id
-        self._fs = store.fs
+        self._fs = fs
         self._claim = claim
         self._dir = shard_dir(shard_id)
-        header = store.header
         self.codec: str = header["codec"]
         self.num_layers = len(header["layer_ids"])
         self.hidden_size = int(header["hidden_size"])

@@ -11,7 +11,7 @@ import pytest
 
 from dflash import assets
 from dflash.errors import AssetError
-from dflash.extract.generate import read_prompts
+from dflash.generate.answer import read_prompts
 
 ROLES = {"system", "user", "assistant"}
 
@@ -160,7 +160,7 @@ def test_converted_logits_equal_the_gguf_models(converted):
 @pytest.mark.slow
 def test_greedy_generation_answers_simple_questions(converted, tmp_path):
     from dflash.config import GenerateConfig
-    from dflash.extract.generate import run
+    from dflash.generate.answer import run
 
     prompts = tmp_path / "q.jsonl"
     rows = [

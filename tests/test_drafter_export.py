@@ -8,9 +8,11 @@ from safetensors import safe_open
 
 from dflash.errors import InputError
 from dflash.facts import build_target_layer_ids
-from dflash.train.export import export_drafter, find_checkpoint, load_drafter, save_checkpoint_files
-from dflash.train.model import DFlashDrafter, DrafterConfig, draft_logits
-from dflash.train.target_head import load_target_head
+from dflash.drafter.files import load_drafter, save_drafter_files
+from dflash.train.checkpoint import find_checkpoint
+from dflash.train.export import export_drafter
+from dflash.drafter.model import DFlashDrafter, DrafterConfig, draft_logits
+from dflash.drafter.target_head import load_target_head
 
 
 @pytest.fixture()
@@ -24,7 +26,7 @@ def run_dir(tiny_qwen3, tmp_path):
         model = DFlashDrafter(cfg)
         model.reset_parameters(std=0.3)
         model = model.to(torch.bfloat16)
-        save_checkpoint_files(model, tmp_path / "run" / "checkpoints" / f"step-{step:06d}")
+        save_drafter_files(model, tmp_path / "run" / "checkpoints" / f"step-{step:06d}")
         models.append(model)
     (tmp_path / "run" / "checkpoints" / "step-000300").mkdir()  # killed while saving: no config yet
     return tmp_path / "run", models[-1]

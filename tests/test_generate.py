@@ -12,7 +12,7 @@ import pytest
 from dflash.config import GenerateConfig
 from dflash.errors import ConfigError, InputError
 from dflash.extract.data import normalise
-from dflash.extract.generate import read_prompts, run
+from dflash.generate.answer import read_prompts, run
 
 PROMPTS = [
     {"prompt": "hi"},

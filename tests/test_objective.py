@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from dflash.train.attention import bucket, dense_masks
-from dflash.train.linear_ce import chunked_linear_ce
-from dflash.train.model import DrafterConfig
+from dflash.drafter.attention import bucket, dense_masks
+from dflash.drafter.linear_ce import chunked_linear_ce
+from dflash.drafter.model import DrafterConfig
 from dflash.train.objective import (
     Metrics,
     block_metrics,

@@ -8,15 +8,15 @@ import torch
 
 from dflash.errors import InputError
 from dflash.facts import build_target_layer_ids
-from dflash.train.model import DFlashDrafter, DrafterConfig
-from dflash.train.speculative import (
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.drafter.decode import (
     compare_on_prompts,
     drafter_proposer,
     greedy_decode,
     load_target,
-    open_drafter,
     speculative_decode,
 )
+from dflash.train.checkpoint import open_drafter
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8, 250, 11, 60], [33]]
 
@@ -116,10 +116,10 @@ def test_stop_token_ends_both_decodings_at_the_same_place(tiny_qwen3, target, la
 
 
 def test_compare_on_prompts_reports_tau_and_forwards(tiny_qwen3, target, layer_ids, tmp_path):
-    from dflash.train.export import save_checkpoint_files
+    from dflash.drafter.files import save_drafter_files
 
     drafter = _drafter(tiny_qwen3, layer_ids, 4)
-    folder = save_checkpoint_files(drafter, tmp_path / "run" / "checkpoints" / "step-000003")
+    folder = save_drafter_files(drafter, tmp_path / "run" / "checkpoints" / "step-000003")
     loaded = open_drafter(tmp_path / "run")  # a run folder: its newest checkpoint
     assert torch.equal(loaded.fc.weight, drafter.fc.weight) and folder.parent.parent == tmp_path / "run"
     seen = []
@@ -142,7 +142,7 @@ def test_open_drafter_names_the_missing_folder(tmp_path):
 
 
 def test_the_cache_reaches_targets_of_older_and_newer_transformers():
-    from dflash.train.speculative import _with_cache
+    from dflash.drafter.decode import _with_cache
 
     class Older(torch.nn.Module):  # transformers before the rename: the cache is `past_key_values`
         def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from dflash.errors import CorruptShard, ManifestMismatch, StoreError
 from dflash.storage import Store
+from dflash.storage.follow import follow_commits
 from dflash.storage.synthetic import synthetic_sample, write_synthetic_shard
 
 L, H = 3, 32
@@ -242,7 +243,7 @@ def test_fsspec_memory_store_round_trip():
     store.mark_complete()
     again = Store.open(url, expected=header("blosc", num_shards=2))
     assert again.committed_ids() == [0, 1] and again.is_complete()
-    assert list(again.follow(poll=0.01)) == [0, 1]
+    assert list(follow_commits(again, poll=0.01)) == [0, 1]
     for i, rec in zip((0, 1), recs):
         data = again.read_shard(i)
         assert data.num_tokens == rec["num_tokens"]
@@ -255,9 +256,9 @@ def test_follow_yields_each_commit_once_then_ends(tmp_path):
     write_synthetic_shard(store, 2, num_samples=1)
     seen: list[int] = []
     late: list[int] = []
-    follower = threading.Thread(target=lambda: seen.extend(store.follow(poll=0.01, max_poll=0.05, timeout=60)))
+    follower = threading.Thread(target=lambda: seen.extend(follow_commits(store, poll=0.01, max_poll=0.05, timeout=60)))
     late_follower = threading.Thread(
-        target=lambda: late.extend(store.follow(poll=0.01, max_poll=0.05, include_existing=False, timeout=60))
+        target=lambda: late.extend(follow_commits(store, poll=0.01, max_poll=0.05, include_existing=False, timeout=60))
     )
     follower.start()
     late_follower.start()
@@ -273,7 +274,7 @@ def test_follow_yields_each_commit_once_then_ends(tmp_path):
 def test_follow_times_out_when_writers_stall(tmp_path):
     store = Store.create_or_open(str(tmp_path), header(num_shards=2))
     write_synthetic_shard(store, 0, num_samples=1)
-    it = store.follow(poll=0.01, max_poll=0.02, timeout=0.2)
+    it = follow_commits(store, poll=0.01, max_poll=0.02, timeout=0.2)
     assert next(it) == 0
     with pytest.raises(StoreError, match="no shard committed"):
         next(it)

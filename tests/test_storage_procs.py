@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dflash.storage import Store
+from dflash.storage.follow import follow_commits
 from dflash.storage.synthetic import synthetic_sample, write_synthetic_shard
 
 HEADER = {"layer_ids": [3, 9], "hidden_size": 256, "codec": "blosc", "shard_plan": {"num_shards": 8}, "run": "procs"}
@@ -61,7 +62,7 @@ def test_four_writer_processes_and_a_follower(tmp_path, worker):
     url = str(tmp_path / "store")
     store = Store.create_or_open(url, HEADER)
     seen: list[int] = []
-    follower = threading.Thread(target=lambda: seen.extend(store.follow(poll=0.02, max_poll=0.2, timeout=120)))
+    follower = threading.Thread(target=lambda: seen.extend(follow_commits(store, poll=0.02, max_poll=0.2, timeout=120)))
     follower.start()
     # Every process tries every shard, each in its own order, so they contend for the same claims.
     procs = [start(worker, url, list(range(8))[k * 2 :] + list(range(8))[: k * 2]) for k in range(4)]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from dflash.storage import Store
-from dflash.train.loader import split_shards
+from dflash.train.plan import split_shards
 from dflash.train.metrics import read_metrics
 from test_extract_crash import _commits
 from test_train_run import EXTRACT_ARGS, cli, flags, opts, toy_data  # noqa: F401  (toy_data is a fixture)

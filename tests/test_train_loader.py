@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dflash.errors import ConfigError
-from dflash.train.loader import (
+from dflash.train.plan import (
     LoaderState,
     assign_shards,
     batch_seed,
@@ -16,7 +16,7 @@ from dflash.train.loader import (
     plan_slot,
     split_shards,
 )
-from dflash.train.setup import lr_factor
+from dflash.train.prepare import lr_factor
 
 
 def fake_lengths(num_shards: int, seed: int) -> dict[int, np.ndarray]:

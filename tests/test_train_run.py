@@ -16,7 +16,7 @@ import pytest
 from dflash.config import ExtractConfig, TrainConfig
 from dflash.errors import ConfigError, CorruptShard, DflashError, ManifestMismatch
 from dflash.storage import Store
-from dflash.train.loader import split_shards
+from dflash.train.plan import split_shards
 from dflash.train.metrics import read_metrics
 
 ROWS, SHARD_ROWS = 24, 4
@@ -126,7 +126,7 @@ def test_loss_falls_and_the_run_folder_has_everything(store, tiny_qwen3, tmp_pat
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert len(ckpts) == 2 and ckpts[-1] == f"step-{len(steps):06d}"
     assert (run / "curves.png").stat().st_size > 1000
-    from dflash.train.export import find_checkpoint
+    from dflash.train.checkpoint import find_checkpoint
 
     assert find_checkpoint(run).name == ckpts[-1]
     # dflash eval on the run's held-out shards gives the final validation numbers.
@@ -251,12 +251,12 @@ def test_a_corrupt_shard_is_named_or_skipped_and_counted(store, tiny_qwen3, tmp_
 
 
 def test_eval_refuses_a_drafter_of_another_store_by_field(store, tiny_qwen3, tmp_path, capsys):
-    from dflash.train.export import save_checkpoint_files
-    from dflash.train.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter.files import save_drafter_files
+    from dflash.drafter.model import DFlashDrafter, DrafterConfig
 
     cfg = DrafterConfig.from_target(tiny_qwen3, target_layer_ids=[1, 2, 3], mask_token_id=5, draft_layers=1,
                                     block_size=8)
-    save_checkpoint_files(DFlashDrafter(cfg), tmp_path / "ck")
+    save_drafter_files(DFlashDrafter(cfg), tmp_path / "ck")
     code, _, err = dflash_main(capsys, "eval", "--drafter", str(tmp_path / "ck"), "--store", store)
     message = err.strip()
     assert code == 2 and "\n" not in message and "Traceback" not in message

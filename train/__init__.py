@@ -1,4 +1,4 @@
-"""dflash.train: the DFlash drafter, its objective, the streaming loader and the training loop."""
+"""dflash.train: the objective, the data plan and its streaming, the training loop, checkpoints, evaluation."""
 from __future__ import annotations
 
 import os

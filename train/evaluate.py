@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptShard, InputError, ManifestMismatch
@@ -11,9 +10,9 @@ from ..errors import CorruptShard, InputError, ManifestMismatch
 if TYPE_CHECKING:
     import torch
 
+    from ..drafter.model import DFlashDrafter, DrafterConfig
+    from ..drafter.target_head import TargetHead
     from ..storage import Store
-    from .model import DFlashDrafter, DrafterConfig
-    from .target_head import TargetHead
 
 __all__ = ["check_compatible", "evaluate_shards", "run_eval", "format_eval"]
 
@@ -36,32 +35,6 @@ def check_compatible(cfg: "DrafterConfig", header: dict[str, Any], drafter: str,
         )
 
 
-def _predict(model: "DFlashDrafter", batch: Any, head: "TargetHead", attention: str,
-             capacity: tuple[int, int] | None = None):
-    """Return (correct [A, B-1], counted [A, B-1], sum w*CE, sum w) of one packed batch."""
-    import torch
-    from torch.nn import functional as F
-
-    from .attention import make_attend
-    from .linear_ce import chunked_linear_ce
-
-    cfg = model.config
-    B = batch.block_size
-    embeds = F.embedding(batch.block_ids.reshape(-1), head.embed)
-    attend = make_attend(batch, cfg, attention, capacity)
-    hidden = model(batch.features, batch.ctx_pos, embeds, batch.block_pos.reshape(-1), attend)
-    w = batch.weights[:, 1:]
-    counted = w > 0
-    rows = torch.nonzero(counted.reshape(-1), as_tuple=False)[:, 0]
-    h = hidden.view(-1, B, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1]).index_select(0, rows)
-    labels = batch.labels[:, 1:].reshape(-1).index_select(0, rows)
-    row_w = w.reshape(-1).index_select(0, rows)
-    ce_sum, _, pred = chunked_linear_ce(h, head.lm_head, labels, row_w)
-    correct = torch.zeros_like(counted).reshape(-1)
-    correct[rows] = pred == labels
-    return correct.view_as(counted), counted, float(ce_sum), float(w.sum())
-
-
 def evaluate_shards(
     model: "DFlashDrafter",
     head: "TargetHead",
@@ -79,7 +52,7 @@ def evaluate_shards(
     (fraction of blocks whose first k drafts are all right, k = 1..B-1), tau_hat = 1 + mean streak, counts."""
     import torch
 
-    from .objective import batch_capacity, max_blocks_for, pack_batch
+    from .objective import batch_capacity, max_blocks_for, pack_batch, predict
 
     cfg = model.config
     B = cfg.block_size
@@ -97,7 +70,8 @@ def evaluate_shards(
                            max_blocks=max_blocks_for(batch_tokens), seed=seed * 1_000_003 + k).to(device)
         if batch.num_blocks == 0:
             return
-        correct, counted, c, w = _predict(model, batch, head, attention, capacity)
+        p = predict(model, batch, head.embed, head.lm_head, attention=attention, capacity=capacity)
+        correct, counted, c, w = p.correct, p.counted, p.ce_sum, p.weight_sum
         hit = (correct & counted).double().cpu()
         hits.add_(hit.sum(0))
         counts.add_(counted.double().cpu().sum(0))
@@ -146,34 +120,19 @@ def evaluate_shards(
     }
 
 
-def _resolve(drafter: str) -> tuple[Path, dict[str, Any] | None]:
-    """Return (the folder holding the weights, the run record if the drafter is a run or one of its checkpoints)."""
-    from .checkpoint import read_run_record
-    from .export import find_checkpoint
-
-    path = Path(drafter)
-    if (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
-        return path, None  # an export
-    folder = find_checkpoint(path)
-    for run in (path, folder.parent.parent):
-        record = read_run_record(run) if (run / "checkpoints").is_dir() else None
-        if record is not None:
-            return folder, record
-    return folder, None
-
-
 def run_eval(drafter: str, store_url: str, *, target: str | None = None, shards: str = "val",
              val_fraction: float | None = None, batch_tokens: int = 16384, anchors: int = 512,
              skip_corrupt: bool = False) -> dict[str, Any]:
     """Return the evaluation of a drafter (run, checkpoint or export folder) on a store's held-out shards."""
     import torch
 
+    from ..drafter.files import load_drafter
+    from ..drafter.target_head import load_target_head
     from ..storage import Store
-    from .export import load_drafter
-    from .loader import split_shards
-    from .target_head import load_target_head
+    from .checkpoint import resolve_drafter
+    from .plan import split_shards
 
-    folder, record = _resolve(drafter)
+    folder, record = resolve_drafter(drafter)
     store = Store.open(store_url)
     model = load_drafter(folder, dtype=torch.float32)
     check_compatible(model.config, store.header, str(folder), store_url)

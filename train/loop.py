@@ -1,36 +1,46 @@
-"""The training loop of one rank: DDP over slots, AdamW on fp32 master weights with bf16 compute, cosine schedule,
-gradient accumulation, follow mode, logging, validation and checkpoints."""
+"""The training loop of one rank: `Trainer.train -> epoch -> round -> step`, with save, validate and log beside.
+
+DDP over slots, AdamW on fp32 master weights with bf16 compute, cosine schedule, gradient accumulation, follow
+mode, logging, validation and checkpoints.
+"""
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import ConfigError
-from .checkpoint import load_trainer_state, prune, rng_state, save_checkpoint, set_rng_state, write_run_record
+from .checkpoint import Checkpointer, rng_state, set_rng_state, write_run_record
 from .dist import Dist
-from .loader import LoaderState, plan_round
+from .follow import FollowRounds, estimate_total
 from .metrics import RunLog, plot_run, require_tensorboard, truncate_metrics
-from .setup import ShardLengths, drafter_config, lr_factor, prepare_run_folder, run_record
+from .plan import LoaderState, Round, plan_round
+from .prepare import ShardLengths, drafter_config, lr_factor, prepare_run_folder, run_record
 
-__all__ = ["train_rank"]
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+    from ..drafter.model import DrafterConfig
+    from .objective import Metrics
+    from .stream import StepData
+
+__all__ = ["Learner", "Trainer", "train_rank", "planned_total"]
 
 log = logging.getLogger(__name__)
 
 
-class Trainer:
+class Learner:
     """Model, frozen target head, optimizer and schedule of one rank; `step` runs one optimizer step."""
 
-    def __init__(self, cfg: Any, dcfg: Any, dist: Dist) -> None:
+    def __init__(self, cfg: "TrainConfig", dcfg: "DrafterConfig", dist: Dist) -> None:
         import torch
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from .model import DFlashDrafter
+        from ..drafter.model import DFlashDrafter
+        from ..drafter.target_head import load_target_head
         from .objective import batch_capacity
-        from .target_head import load_target_head
 
         self.cfg, self.dist, dev = cfg, dist, dist.device
         torch.manual_seed(cfg.seed)
@@ -51,7 +61,7 @@ class Trainer:
 
         return torch.autocast(self.dist.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
 
-    def step(self, micro: list[Any]) -> tuple[Any, float, float]:
+    def step(self, micro: list[Any]) -> tuple["Metrics | None", float, float]:
         """Run one optimizer step over this rank's micro-batches; return (summed Metrics or None, grad norm, lr).
 
         The loss of each micro-batch is normalised by the decay-weight total of the whole global batch (all ranks,
@@ -89,64 +99,6 @@ class Trainer:
         return metrics, gnorm, lr
 
 
-def _rounds(cfg: Any, state: LoaderState, store: Any, dist: Dist, train_ids: list[int], runlog: RunLog | None,
-            num_slots: int) -> Iterator[list[int]]:
-    """Yield the shard sets of the current epoch: all training shards, or (follow, first epoch) each newly
-    committed set the ranks agree on through rank 0, replaying the sets a resumed run already had."""
-    if not (cfg.follow and state.epoch == 0 and not state.follow_done):
-        yield list(state.shards)
-        return
-    train = set(train_ids)
-    used: set[int] = set()
-    for r in list(state.rounds):
-        used |= set(r)
-        yield r
-    wait, shown = 0.2, 0.0
-    while True:
-        msg: Any = "wait"
-        if dist.rank == 0:
-            complete = store.is_complete()
-            new = [i for i in store.committed_ids() if i in train and i not in used]
-            # Enough new shards to give every slot one, or the last ones: otherwise a slot would have nothing.
-            msg = new if len(new) >= num_slots or (complete and new) else ("done" if complete else "wait")
-        msg = dist.broadcast(msg)
-        if msg == "done":
-            return
-        if msg == "wait":
-            if runlog is not None and time.monotonic() - shown > 30:
-                runlog.waiting(f"waiting for `dflash extract`: {len(used)} of {len(train)} training shards trained on, "
-                               f"{len(store.committed_ids())} of {store.num_shards} committed")
-                shown = time.monotonic()
-            time.sleep(wait)
-            wait = min(2.0, wait * 1.5)
-            continue
-        wait, shown = 0.2, 0.0
-        state.rounds.append(list(msg))
-        used |= set(msg)
-        yield list(msg)
-
-
-def _open_store(cfg: Any) -> Any:
-    """Return the store; in follow mode, first wait for `dflash extract` to create it."""
-    from ..storage import Store
-    from ..storage.fs import open_fs
-
-    if cfg.follow:
-        fs, shown = open_fs(cfg.store), 0.0
-        while not fs.exists("zarr.json"):
-            if time.monotonic() - shown > 30:
-                log.info("waiting for `dflash extract` to create the store %s", cfg.store)
-                shown = time.monotonic()
-            time.sleep(1.0)
-    return Store.open(cfg.store)
-
-
-def _estimate_total(cfg: Any, plans_steps: int, shards_seen: int, train_count: int) -> int:
-    per_epoch = math.ceil(plans_steps * train_count / max(1, shards_seen))
-    total = per_epoch * cfg.epochs
-    return min(total, cfg.max_steps) if cfg.max_steps else max(1, total)
-
-
 def planned_total(epoch_steps: Callable[[int], int], first_epoch: int, epochs: int, max_steps: int,
                   done: int = 0) -> int:
     """Return the run's total steps: `done` plus the planned steps of epochs first_epoch.., capped by max_steps.
@@ -162,196 +114,286 @@ def planned_total(epoch_steps: Callable[[int], int], first_epoch: int, epochs: i
     return min(total, max_steps) if max_steps else total
 
 
-def train_rank(cfg: Any) -> None:
-    """Train on this process's rank (RANK/WORLD_SIZE from torchrun or our launcher; a world of one otherwise)."""
-    import torch
-    from safetensors.torch import load_file
+@dataclass
+class Window:
+    """What happened since the last log line: its start, seconds waiting for data, tokens, summed metrics."""
 
-    from .evaluate import evaluate_shards
-    from .objective import max_blocks_for
-    from .stream import RoundStream
+    start: float
+    wait: float = 0.0
+    tokens: int = 0
+    metrics: "Metrics | None" = None
 
-    if cfg.tensorboard:
-        require_tensorboard()
-    dist = Dist.setup(cfg.gpus)
-    store = _open_store(cfg)
-    dcfg = drafter_config(cfg, store)
-    record = run_record(cfg, store, dcfg, dist.world)
-    ckpt = prepare_run_folder(cfg, record)
-    run = Path(cfg.out)
-    if dist.rank == 0:
-        run.mkdir(parents=True, exist_ok=True)
-        write_run_record(run, record)
-    train_ids, val_ids = record["resolved"]["train_shards"], record["resolved"]["val_shards"]
-    num_slots = dist.world * cfg.grad_accum
-    my_slots = list(range(dist.rank * cfg.grad_accum, (dist.rank + 1) * cfg.grad_accum))
-    lengths = ShardLengths(store, cfg.skip_corrupt)
-    trainer = Trainer(cfg, dcfg, dist)
-    state = LoaderState(world_size=dist.world, num_slots=num_slots, seed=cfg.seed)
-    plan_kw = dict(num_slots=num_slots, seed=cfg.seed, batch_tokens=cfg.batch_tokens, buffer_tokens=4 * cfg.batch_tokens)
+    def add(self, item: "StepData", waited: float, metrics: "Metrics | None") -> None:
+        """Count one step."""
+        self.wait += waited
+        self.tokens += item.tokens
+        if metrics is not None:
+            self.metrics = metrics if self.metrics is None else self.metrics + metrics
 
-    def epoch_steps(epoch: int) -> int:
-        return plan_round(lengths.load(state.shards), state.shards, epoch=epoch, round_index=0, **plan_kw).steps
 
-    step = 0
-    if ckpt is not None:
-        ts = load_trainer_state(ckpt)
-        trainer.model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
-        trainer.opt.load_state_dict(ts["optimizer"])
-        trainer.sched.load_state_dict(ts["scheduler"])
-        state.load_state_dict(ts["loader"], str(ckpt))
-        step, trainer.total = int(ts["step"]), int(ts["total_steps"])
-        if not state.rounds or state.follow_done:  # --epochs or --max-steps may have changed: the schedule follows
-            first = (sum(plan_round(lengths.load(r), r, epoch=0, round_index=i, **plan_kw).steps
-                         for i, r in enumerate(state.rounds)) if state.rounds else epoch_steps(0))
-            trainer.total = planned_total(epoch_steps, 1, cfg.epochs, cfg.max_steps, done=first)
-        set_rng_state(ts["rng"][dist.rank] if dist.rank < len(ts["rng"]) else ts["rng"][0])
+class Trainer:
+    """One rank's run: the store, the run folder, the learner, the loader state; `train()` does the whole run."""
+
+    def __init__(self, cfg: "TrainConfig") -> None:
+        from ..storage import Store
+        from ..storage.follow import wait_for_store
+        from .objective import max_blocks_for
+        from .stream import StreamSpec
+
+        if cfg.tensorboard:
+            require_tensorboard()
+        self.cfg = cfg
+        self.dist = dist = Dist.setup(cfg.gpus)
+        self.store = wait_for_store(cfg.store) if cfg.follow else Store.open(cfg.store)
+        self.dcfg = drafter_config(cfg, self.store)
+        record = run_record(cfg, self.store, self.dcfg, dist.world)
+        self.resume_from = prepare_run_folder(cfg, record)
+        self.run = Path(cfg.out)
         if dist.rank == 0:
-            truncate_metrics(run, step)
-        log.info("resumed %s at step %d (epoch %d, step %d of it)", ckpt, step, state.epoch, state.step_in_epoch)
-    else:
-        committed = set(store.committed_ids())
-        if not cfg.follow:
-            state.shards = [s for s in train_ids if s in committed]
-            if not state.shards:
-                raise ConfigError(f"--store {cfg.store}: none of its {len(train_ids)} training shards is committed "
-                                  "yet; run `dflash extract` first, or pass --follow to train while it writes")
-            if len(state.shards) < len(train_ids):
-                log.warning("%s: %d of %d training shards are committed; training on those (--follow waits for all)",
-                            cfg.store, len(state.shards), len(train_ids))
-            trainer.total = planned_total(epoch_steps, 0, cfg.epochs, cfg.max_steps)
+            self.run.mkdir(parents=True, exist_ok=True)
+            write_run_record(self.run, record)
+        self.checkpoints = Checkpointer(self.run, cfg.keep)
+        self.train_ids, self.val_ids = record["resolved"]["train_shards"], record["resolved"]["val_shards"]
+        self.num_slots = dist.world * cfg.grad_accum
+        slots = list(range(dist.rank * cfg.grad_accum, (dist.rank + 1) * cfg.grad_accum))
+        self.lengths = ShardLengths(self.store, cfg.skip_corrupt)
+        self.learner = Learner(cfg, self.dcfg, dist)
+        self.state = LoaderState(world_size=dist.world, num_slots=self.num_slots, seed=cfg.seed)
+        self.plan_kw = dict(num_slots=self.num_slots, seed=cfg.seed, batch_tokens=cfg.batch_tokens,
+                            buffer_tokens=4 * cfg.batch_tokens)
+        self.spec = StreamSpec(slots=slots, seed=cfg.seed, block_size=self.dcfg.block_size,
+                               mask_token_id=self.dcfg.mask_token_id, anchors=cfg.anchors,
+                               max_blocks=max_blocks_for(cfg.batch_tokens), device=dist.device,
+                               depth=cfg.prefetch_shards, skip_corrupt=cfg.skip_corrupt)
+        self.step = 0
+        self.last_saved = -1
+        self.stopped = False
+        self.corrupt: set[int] = set()
+        self.stream: Any = None
+        self.runlog: RunLog | None = None
+
+    # -- planning ----------------------------------------------------------------------------------------------
+    @property
+    def following(self) -> bool:
+        """Return True while the run is in follow mode's first epoch (rounds of newly committed shards)."""
+        return self.cfg.follow and self.state.epoch == 0 and not self.state.follow_done
+
+    def plan(self, ids: list[int], epoch: int, round_index: int) -> Round:
+        """Return the plan of one round of shards."""
+        return plan_round(self.lengths.load(ids), ids, epoch=epoch, round_index=round_index, **self.plan_kw)
+
+    def epoch_steps(self, epoch: int) -> int:
+        """Return the steps of a full epoch over the run's training shards."""
+        return self.plan(self.state.shards, epoch, 0).steps
+
+    def set_total(self, total: int) -> None:
+        """Take the run's (new) length: the schedule and the progress display follow it."""
+        self.learner.total = total
+        if self.runlog is not None:
+            self.runlog.set_total(total)
+
+    # -- start ---------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Resume from the newest checkpoint, or plan a fresh run; then open the run log on rank 0."""
+        if self.resume_from is not None:
+            self.resume(self.resume_from)
         else:
-            trainer.total = cfg.max_steps or 1  # re-estimated once the first shards arrive
-    dist.barrier()
-    runlog = RunLog(run, total_steps=trainer.total, start_step=step, tensorboard=cfg.tensorboard) if dist.rank == 0 else None
-    started, start_step = time.perf_counter(), step
-    win = {"t": time.perf_counter(), "wait": 0.0, "tokens": 0, "metrics": None}
-    last_saved = step if ckpt is not None else -1
-    stream = None
+            self.start_fresh()
+        self.dist.barrier()
+        if self.dist.rank == 0:
+            self.runlog = RunLog(self.run, total_steps=self.learner.total, start_step=self.step,
+                                 tensorboard=self.cfg.tensorboard)
 
-    def save() -> None:
-        nonlocal last_saved
+    def resume(self, folder: Path) -> None:
+        """Load every part of the checkpoint in `folder` and replan the schedule for the options given now."""
+        cfg, learner = self.cfg, self.learner
+        ts = self.checkpoints.load(folder, learner.model, self.parts())
+        self.step, learner.total = int(ts["step"]), int(ts["total_steps"])
+        self.last_saved = self.step
+        if not self.state.rounds or self.state.follow_done:  # --epochs or --max-steps may have changed
+            first = (sum(self.plan(r, 0, i).steps for i, r in enumerate(self.state.rounds)) if self.state.rounds
+                     else self.epoch_steps(0))
+            learner.total = planned_total(self.epoch_steps, 1, cfg.epochs, cfg.max_steps, done=first)
+        rank = self.dist.rank
+        set_rng_state(ts["rng"][rank] if rank < len(ts["rng"]) else ts["rng"][0])
+        if rank == 0:
+            truncate_metrics(self.run, self.step)
+        log.info("resumed %s at step %d (epoch %d, step %d of it)", folder, self.step, self.state.epoch,
+                 self.state.step_in_epoch)
+
+    def start_fresh(self) -> None:
+        """Take the committed training shards (or, following, none yet) and plan the schedule."""
+        cfg = self.cfg
+        if cfg.follow:
+            self.learner.total = cfg.max_steps or 1  # re-estimated once the first shards arrive
+            return
+        committed = set(self.store.committed_ids())
+        self.state.shards = [s for s in self.train_ids if s in committed]
+        if not self.state.shards:
+            raise ConfigError(f"--store {cfg.store}: none of its {len(self.train_ids)} training shards is committed "
+                              "yet; run `dflash extract` first, or pass --follow to train while it writes")
+        if len(self.state.shards) < len(self.train_ids):
+            log.warning("%s: %d of %d training shards are committed; training on those (--follow waits for all)",
+                        cfg.store, len(self.state.shards), len(self.train_ids))
+        self.learner.total = planned_total(self.epoch_steps, 0, cfg.epochs, cfg.max_steps)
+
+    def parts(self) -> dict[str, Any]:
+        """Return the stateful parts a checkpoint holds besides the model."""
+        return {"optimizer": self.learner.opt, "scheduler": self.learner.sched, "loader": self.state}
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def train(self) -> None:
+        """Run every epoch (or up to --max-steps), save the last step, and draw the curves."""
+        self.start()
+        self.window = Window(time.perf_counter())
+        self.started, self.start_step = time.perf_counter(), self.step
+        try:
+            while self.state.epoch < self.cfg.epochs and not self.stopped:
+                self.epoch()
+            if self.step != self.last_saved:
+                self.save()
+            if self.val_ids and self.stopped:
+                self.validate(self.state.epoch)
+        finally:
+            if self.runlog is not None:
+                self.runlog.close()
+        if self.dist.rank == 0:
+            png = plot_run(self.run)
+            log.info("trained %d steps into %s%s", self.step, self.run, f"; curves in {png}" if png else "")
+        self.dist.close()
+
+    def rounds(self) -> Any:
+        """Return the shard sets of the current epoch: one of every training shard, or follow mode's rounds."""
+        if not self.following:
+            return [list(self.state.shards)]
+        say = self.runlog.waiting if self.runlog is not None else None
+        return FollowRounds(self.store, self.dist, self.state, self.train_ids, self.num_slots, say)
+
+    def epoch(self) -> None:
+        """Train one epoch round by round; then record it, and validate."""
+        epoch, offset, dropped = self.state.epoch, 0, [0, 0]
+        following = self.following
+        for index, ids in enumerate(self.rounds()):
+            plan = self.plan(ids, epoch, index)
+            dropped = [dropped[0] + plan.dropped_samples, dropped[1] + plan.dropped_tokens]
+            if following and not self.cfg.max_steps and self.resume_from is None and index == 0:
+                self.set_total(estimate_total(plan.steps, len(ids), len(self.train_ids), self.cfg.epochs,
+                                              self.cfg.max_steps))
+            self.round(plan, epoch, offset)
+            offset += plan.steps
+            if self.stopped:
+                return
+        if following:
+            self.state.follow_done = True
+            self.state.shards = sorted({s for r in self.state.rounds for s in r})
+            if not self.cfg.max_steps:
+                self.set_total(planned_total(self.epoch_steps, 1, self.cfg.epochs, 0, done=self.step))
+        self.end_epoch(epoch, offset, dropped, following)
+        self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
+        self.validate(epoch)
+
+    def round(self, plan: Round, epoch: int, offset: int) -> None:
+        """Train the steps of one round this run has not taken yet, streaming its shards."""
+        from .stream import RoundStream
+
+        start = max(0, self.state.step_in_epoch - offset)
+        if start >= plan.steps:
+            return
+        self.stream = RoundStream(self.store, plan, self.spec, epoch=epoch, step_offset=offset, start=start)
+        try:
+            while True:
+                if self.cfg.max_steps and self.step >= self.cfg.max_steps:
+                    self.stopped = True
+                    return
+                item, waited = self.stream.get()
+                if item is None:
+                    return
+                self.take_step(item, waited, epoch)
+        finally:
+            self.corrupt.update(self.stream.corrupt)
+            self.stream.close()
+            self.stream = None
+
+    def take_step(self, item: "StepData", waited: float, epoch: int) -> None:
+        """Run one optimizer step on a step's data, then log and save when they are due."""
+        metrics, gnorm, lr = self.learner.step(item.micro)
+        self.step += 1
+        self.state.step_in_epoch = item.step_in_epoch + 1
+        self.window.add(item, waited, metrics)
+        if self.step % self.cfg.log_every == 0:
+            self.log_window(epoch, gnorm, lr)
+        if self.step % self.cfg.save_every == 0:
+            self.save()
+
+    # -- beside the loop -----------------------------------------------------------------------------------------
+    def save(self) -> None:
+        """Checkpoint this step (rank 0 writes; every rank's RNGs go in), prune old ones, and keep it off the rate."""
         t0 = time.perf_counter()
-        rngs = dist.gather(rng_state())
-        if dist.rank == 0:
-            ts = {"step": step, "total_steps": trainer.total, "optimizer": trainer.opt.state_dict(),
-                  "scheduler": trainer.sched.state_dict(), "loader": state.state_dict(), "rng": rngs,
-                  "config": cfg.to_dict()}
-            folder = save_checkpoint(run, step, trainer.model, ts)
-            prune(run, cfg.keep)
+        rngs = self.dist.gather(rng_state())
+        if self.dist.rank == 0:
+            extra = {"step": self.step, "total_steps": self.learner.total, "rng": rngs, "config": self.cfg.to_dict()}
+            folder = self.checkpoints.save(self.step, self.learner.model, self.parts(), extra)
+            self.checkpoints.prune()
             log.info("saved %s", folder)
-        last_saved = step
-        dist.barrier()
-        win["t"] += time.perf_counter() - t0  # a save is not training time: keep it out of tokens/s
+        self.last_saved = self.step
+        self.dist.barrier()
+        self.window.start += time.perf_counter() - t0  # a save is not training time: keep it out of tokens/s
 
-    def validate(epoch: int) -> None:
-        committed = set(store.committed_ids())
-        ready = [s for s in val_ids if s in committed]
-        if dist.rank == 0 and ready:
-            with trainer.autocast():
-                out = evaluate_shards(trainer.model, trainer.head, store, ready, batch_tokens=cfg.batch_tokens,
-                                      anchors=cfg.anchors, seed=cfg.seed, attention=trainer.attention,
-                                      device=dist.device, skip_corrupt=cfg.skip_corrupt)
-            runlog.validation({"split": "val", "step": step, "epoch": epoch, **{k: out[k] for k in (
+    def validate(self, epoch: int) -> None:
+        """Evaluate on the committed held-out shards (rank 0) and record it."""
+        from .evaluate import evaluate_shards
+
+        committed = set(self.store.committed_ids())
+        ready = [s for s in self.val_ids if s in committed]
+        if self.dist.rank == 0 and ready:
+            learner = self.learner
+            with learner.autocast():
+                out = evaluate_shards(learner.model, learner.head, self.store, ready, batch_tokens=self.cfg.batch_tokens,
+                                      anchors=self.cfg.anchors, seed=self.cfg.seed, attention=learner.attention,
+                                      device=self.dist.device, skip_corrupt=self.cfg.skip_corrupt)
+            self.runlog.validation({"split": "val", "step": self.step, "epoch": epoch, **{k: out[k] for k in (
                 "loss", "acc", "tau_hat", "slot_accuracy", "accept_rate", "blocks", "tokens", "shards")}})
-        dist.barrier()
+        self.dist.barrier()
 
-    def log_step(epoch: int, gnorm: float, lr: float) -> None:
+    def log_window(self, epoch: int, gnorm: float, lr: float) -> None:
+        """Reduce the window's metrics over ranks and record one step line (rank 0); start a new window."""
+        import torch
+
         from .objective import Metrics
 
-        m = win["metrics"]
-        B1 = dcfg.block_size - 1
-        vec = m.to_tensor() if m is not None else Metrics(0.0, 0.0, [0] * B1, [0] * B1, 0, 0).to_tensor()
-        extra = torch.tensor([win["tokens"], win["wait"]], dtype=torch.float64)
+        win, dist = self.window, self.dist
+        B1 = self.dcfg.block_size - 1
+        vec = win.metrics.to_tensor() if win.metrics is not None else Metrics(0.0, 0.0, [0] * B1, [0] * B1, 0, 0).to_tensor()
+        extra = torch.tensor([win.tokens, win.wait], dtype=torch.float64)
         both = dist.all_reduce(torch.cat([vec, extra]).to(dist.device)).cpu()
         m = Metrics.from_tensor(both[:-2])
-        elapsed = time.perf_counter() - win["t"]
-        if runlog is not None:
-            rate = (time.perf_counter() - started) / max(1, step - start_step)
+        elapsed = time.perf_counter() - win.start
+        if self.runlog is not None:
+            rate = (time.perf_counter() - self.started) / max(1, self.step - self.start_step)
             counted = sum(m.slot_count)
-            runlog.step({
-                "split": "train", "step": step, "epoch": epoch, "loss": m.loss,
+            self.runlog.step({
+                "split": "train", "step": self.step, "epoch": epoch, "loss": m.loss,
                 "acc": sum(m.slot_correct) / counted if counted else float("nan"), "tau_hat": m.tau_hat,
                 "streak": m.tau_hat - 1.0, "slot_accuracy": m.slot_accuracy, "lr": lr,
                 "grad_norm": gnorm, "tokens_per_s": float(both[-2]) / max(elapsed, 1e-9),
                 "data_wait": float(both[-1]) / dist.world / max(elapsed, 1e-9),
-                "prefetch_depth": stream.depth() if stream is not None else 0,
-                "eta_s": rate * max(0, trainer.total - step), "blocks": m.blocks,
+                "prefetch_depth": self.stream.depth() if self.stream is not None else 0,
+                "eta_s": rate * max(0, self.learner.total - self.step), "blocks": m.blocks,
             })
-        win.update(t=time.perf_counter(), wait=0.0, tokens=0, metrics=None)
+        self.window = Window(time.perf_counter())
 
-    stop = False
-    corrupt: set[int] = set()
-    try:
-        while state.epoch < cfg.epochs and not stop:
-            epoch, offset, dropped, rounds_done = state.epoch, 0, [0, 0], 0
-            for ids in _rounds(cfg, state, store, dist, train_ids, runlog, num_slots):
-                plan = plan_round(lengths.load(ids), ids, epoch=epoch, round_index=rounds_done, **plan_kw)
-                rounds_done += 1
-                dropped = [dropped[0] + plan.dropped_samples, dropped[1] + plan.dropped_tokens]
-                if cfg.follow and epoch == 0 and not cfg.max_steps and ckpt is None and rounds_done == 1:
-                    trainer.total = _estimate_total(cfg, plan.steps, len(ids), len(train_ids))
-                    if runlog is not None:
-                        runlog.set_total(trainer.total)
-                start = max(0, state.step_in_epoch - offset)
-                if start < plan.steps:
-                    stream = RoundStream(store, plan, slots=my_slots, epoch=epoch, step_offset=offset, start=start,
-                                         seed=cfg.seed, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
-                                         anchors=cfg.anchors, max_blocks=max_blocks_for(cfg.batch_tokens),
-                                         device=dist.device, depth=cfg.prefetch_shards,
-                                         skip_corrupt=cfg.skip_corrupt)
-                    try:
-                        while True:
-                            if cfg.max_steps and step >= cfg.max_steps:
-                                stop = True
-                                break
-                            item, waited = stream.get()
-                            if item is None:
-                                break
-                            metrics, gnorm, lr = trainer.step(item.micro)
-                            step += 1
-                            state.step_in_epoch = item.step_in_epoch + 1
-                            win["wait"] += waited
-                            win["tokens"] += item.tokens
-                            if metrics is not None:
-                                win["metrics"] = metrics if win["metrics"] is None else win["metrics"] + metrics
-                            if step % cfg.log_every == 0:
-                                log_step(epoch, gnorm, lr)
-                            if step % cfg.save_every == 0:
-                                save()
-                    finally:
-                        corrupt.update(stream.corrupt)
-                        stream.close()
-                        stream = None
-                offset += plan.steps
-                if stop:
-                    break
-            if stop:
-                break
-            if cfg.follow and epoch == 0:
-                state.follow_done = True
-                state.shards = sorted({s for r in state.rounds for s in r})
-                if not cfg.max_steps:
-                    trainer.total = planned_total(epoch_steps, 1, cfg.epochs, 0, done=step)
-                    if runlog is not None:
-                        runlog.set_total(trainer.total)
-            if runlog is not None:
-                runlog.write({"event": "epoch_end", "step": step, "epoch": epoch, "steps": offset,
-                              "rounds": [list(r) for r in state.rounds] if cfg.follow and epoch == 0 else [state.shards],
-                              "dropped_samples": dropped[0], "dropped_tokens": dropped[1],
-                              "corrupt_shards": sorted(corrupt | set(lengths.corrupt))})
-                log.info("epoch %d done at step %d: %d steps; the tail cut to keep ranks in step dropped %d samples "
-                         "(%d tokens)", epoch, step, offset, dropped[0], dropped[1])
-            state.epoch, state.step_in_epoch = epoch + 1, 0
-            validate(epoch)
-        if step != last_saved:
-            save()
-        if val_ids and stop:
-            validate(state.epoch)
-    finally:
-        if runlog is not None:
-            runlog.close()
-    if dist.rank == 0:
-        png = plot_run(run)
-        log.info("trained %d steps into %s%s", step, run, f"; curves in {png}" if png else "")
-    dist.close()
+    def end_epoch(self, epoch: int, steps: int, dropped: list[int], following: bool) -> None:
+        """Record the end of an epoch: its steps, rounds, the samples the tail cut dropped, corrupt shards."""
+        if self.runlog is None:
+            return
+        self.runlog.write({"event": "epoch_end", "step": self.step, "epoch": epoch, "steps": steps,
+                           "rounds": [list(r) for r in self.state.rounds] if following else [self.state.shards],
+                           "dropped_samples": dropped[0], "dropped_tokens": dropped[1],
+                           "corrupt_shards": sorted(self.corrupt | set(self.lengths.corrupt))})
+        log.info("epoch %d done at step %d: %d steps; the tail cut to keep ranks in step dropped %d samples "
+                 "(%d tokens)", epoch, self.step, steps, dropped[0], dropped[1])
+
+
+def train_rank(cfg: "TrainConfig") -> None:
+    """Train on this process's rank (RANK/WORLD_SIZE from torchrun or our launcher; a world of one otherwise)."""
+    Trainer(cfg).train()

@@ -1,6 +1,7 @@
 """What a run tells its user: metrics.jsonl records, log lines or a progress bar, TensorBoard, and the final PNG."""
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -152,8 +153,8 @@ def plot_run(run: str | os.PathLike) -> Path | None:
         ax.legend()
     fig.tight_layout()
     out = Path(run) / PLOT_FILE
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    os.replace(tmp, out)
+    write_atomic(out, buf.getvalue())
     return out

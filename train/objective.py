@@ -7,7 +7,7 @@ into the mask; `drafter_loss` runs the drafter and the chunked lm_head cross-ent
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -15,7 +15,8 @@ from torch.nn import functional as F
 
 from ..errors import InputError
 from ..facts import decay_gamma
-from .linear_ce import chunked_linear_ce
+from ..drafter.batch import PackedBatch
+from ..drafter.linear_ce import chunked_linear_ce
 
 __all__ = [
     "sample_anchors",
@@ -23,9 +24,10 @@ __all__ = [
     "batch_capacity",
     "block_quotas",
     "decay_weights",
-    "PackedBatch",
     "pack_batch",
     "Metrics",
+    "Prediction",
+    "predict",
     "drafter_loss",
     "block_metrics",
 ]
@@ -88,49 +90,6 @@ def decay_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
     w = torch.exp(-(k - 1) / g)
     w[0] = 0.0
     return w.float()
-
-
-@dataclass(frozen=True)
-class PackedBatch:
-    """Several sequences packed for one drafter step (A blocks of B slots over N context tokens).
-
-    features [N, n*H]: context features, sequences concatenated, each cut after its last anchor's context;
-    ctx_pos [N], ctx_seq [N]: position in its sequence and sequence index of each context token;
-    cu_ctx [S+1], cu_blocks [S+1]: offsets of each sequence's context tokens and blocks;
-    block_ids [A, B]: anchor token then mask tokens; anchor_pos [A], block_seq [A];
-    labels [A, B]: data token at anchor + k (0 where out of range); weights [A, B]: decay weight where the label
-    is in the sequence and in its loss mask, else 0 (slot 0 always 0).
-    """
-
-    features: torch.Tensor
-    ctx_pos: torch.Tensor
-    ctx_seq: torch.Tensor
-    cu_ctx: torch.Tensor
-    block_ids: torch.Tensor
-    anchor_pos: torch.Tensor
-    block_seq: torch.Tensor
-    cu_blocks: torch.Tensor
-    labels: torch.Tensor
-    weights: torch.Tensor
-
-    @property
-    def block_size(self) -> int:
-        """Return B."""
-        return self.block_ids.shape[1]
-
-    @property
-    def num_blocks(self) -> int:
-        """Return A, the number of blocks (anchors) in the batch."""
-        return self.block_ids.shape[0]
-
-    @property
-    def block_pos(self) -> torch.Tensor:
-        """Return the position ids [A, B] of every block slot: anchor + k."""
-        return self.anchor_pos[:, None] + torch.arange(self.block_size, device=self.anchor_pos.device)
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedBatch":
-        """Return the batch with every tensor on device."""
-        return PackedBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
 
 
 def pack_batch(
@@ -265,7 +224,28 @@ def block_metrics(correct: torch.Tensor, counted: torch.Tensor) -> tuple[list[in
     return hit.sum(0).tolist(), counted.sum(0).tolist(), int(streak)
 
 
-def drafter_loss(
+@dataclass
+class Prediction:
+    """The drafter's predictions on one packed batch: the loss, and per block slot 1..B-1 what was right.
+
+    correct / counted [A, B-1]: the top-1 prediction equals the label / the slot counts (its weight is > 0);
+    ce_sum: sum of w_k * CE_k; weight_sum: sum of w_k.
+    """
+
+    loss: torch.Tensor
+    correct: torch.Tensor
+    counted: torch.Tensor
+    ce_sum: float
+    weight_sum: float
+
+    def metrics(self) -> Metrics:
+        """Return the batch's Metrics (sums and counts that add across steps and ranks)."""
+        slot_correct, slot_count, streak = block_metrics(self.correct, self.counted)
+        return Metrics(ce_sum=self.ce_sum, weight_sum=self.weight_sum, slot_correct=slot_correct,
+                       slot_count=slot_count, streak_sum=streak, blocks=self.correct.shape[0])
+
+
+def predict(
     model: torch.nn.Module,
     batch: PackedBatch,
     embed_weight: torch.Tensor,
@@ -274,14 +254,14 @@ def drafter_loss(
     attention: str = "sdpa",
     chunk_rows: int | None = None,
     capacity: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, Metrics]:
-    """Return (loss = sum_k w_k CE_k / sum w_k over the batch, Metrics) for one packed batch.
+) -> Prediction:
+    """Return the Prediction of the drafter on one packed batch, its loss = sum_k w_k CE_k / sum w_k.
 
     attention "sdpa" (dense boolean mask, any device) or "flex" (block mask, CUDA). embed_weight and
     lm_head_weight are the target's frozen tensors. The lm_head runs only on counted slots, in chunks.
     capacity (see batch_capacity) gives flex one shape for the whole run.
     """
-    from .attention import make_attend
+    from ..drafter.attention import make_attend
 
     cfg = model.config if hasattr(model, "config") else model.module.config
     B = batch.block_size
@@ -304,13 +284,21 @@ def drafter_loss(
         loss = hidden.sum() * 0.0  # keeps the graph (DDP needs every parameter used) with a zero gradient
     correct = torch.zeros_like(counted).reshape(-1)
     correct[rows] = pred == labels
-    slot_correct, slot_count, streak = block_metrics(correct.view_as(counted), counted)
-    metrics = Metrics(
-        ce_sum=float((ce * row_w).sum()),
-        weight_sum=float(weight_sum),
-        slot_correct=slot_correct,
-        slot_count=slot_count,
-        streak_sum=streak,
-        blocks=batch.num_blocks,
-    )
-    return loss, metrics
+    return Prediction(loss=loss, correct=correct.view_as(counted), counted=counted,
+                      ce_sum=float((ce * row_w).sum()), weight_sum=float(weight_sum))
+
+
+def drafter_loss(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    *,
+    attention: str = "sdpa",
+    chunk_rows: int | None = None,
+    capacity: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """Return (loss = sum_k w_k CE_k / sum w_k over the batch, Metrics) for one packed batch (see `predict`)."""
+    p = predict(model, batch, embed_weight, lm_head_weight, attention=attention, chunk_rows=chunk_rows,
+                capacity=capacity)
+    return p.loss, p.metrics()

@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptShard
-from .loader import Round, Sample, batch_seed
+from .plan import Round, Sample, batch_seed
 
 if TYPE_CHECKING:
     import torch
 
     from ..storage import ShardData, Store
-    from .objective import PackedBatch
+    from ..drafter.batch import PackedBatch
 
-__all__ = ["RoundStream", "StepData"]
+__all__ = ["StreamSpec", "RoundStream", "StepData"]
 
 log = logging.getLogger(__name__)
 
@@ -154,37 +154,34 @@ class _ShardPrefetcher:
             self.thread.join()
 
 
+@dataclass(frozen=True)
+class StreamSpec:
+    """What a rank's streams share for the whole run: its slots, how samples become batches, and the reading."""
+
+    slots: list[int]
+    seed: int
+    block_size: int
+    mask_token_id: int
+    anchors: int
+    max_blocks: int | None
+    device: "torch.device"
+    depth: int = 2  # whole shards read ahead beyond what the current steps hold
+    skip_corrupt: bool = False
+    ahead: int = 2  # steps of batches built ahead
+
+
 class RoundStream:
     """Iterator over StepData of this rank's slots for steps start..round.steps-1 of one round."""
 
-    def __init__(
-        self,
-        store: "Store",
-        plan: Round,
-        *,
-        slots: list[int],
-        epoch: int,
-        step_offset: int,
-        start: int,
-        seed: int,
-        block_size: int,
-        mask_token_id: int,
-        anchors: int,
-        max_blocks: int | None,
-        device: "torch.device",
-        depth: int,
-        skip_corrupt: bool,
-        ahead: int = 2,
-    ) -> None:
-        self.plan, self.slots, self.epoch, self.offset = plan, slots, epoch, step_offset
-        self.seed, self.block_size, self.mask, self.anchors = seed, block_size, mask_token_id, anchors
-        self.max_blocks = max_blocks
-        self.device = device
+    def __init__(self, store: "Store", plan: Round, spec: StreamSpec, *, epoch: int, step_offset: int,
+                 start: int) -> None:
+        self.plan, self.spec, self.epoch, self.offset = plan, spec, epoch, step_offset
+        self.slots, self.device = spec.slots, spec.device
         self.steps = range(start, plan.steps)
         order, last_use, live = self._schedule()
         self.last_use = last_use
-        self.prefetch = _ShardPrefetcher(store, order, live + depth, skip_corrupt, device.type == "cuda")
-        self.queue: queue.Queue = queue.Queue(maxsize=ahead)
+        self.prefetch = _ShardPrefetcher(store, order, live + spec.depth, spec.skip_corrupt, spec.device.type == "cuda")
+        self.queue: queue.Queue = queue.Queue(maxsize=spec.ahead)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._produce, name="dflash-batches", daemon=True)
         self.thread.start()
@@ -228,8 +225,9 @@ class RoundStream:
             seqs.append({"input_ids": ids[:n], "loss_mask": mask[:n], "features": feats})
         if not seqs:
             return None, skipped
-        batch = pack_batch(seqs, block_size=self.block_size, mask_token_id=self.mask, max_anchors=self.anchors,
-                           max_blocks=self.max_blocks, seed=batch_seed(self.seed, self.epoch, self.offset + s, slot))
+        spec = self.spec
+        batch = pack_batch(seqs, block_size=spec.block_size, mask_token_id=spec.mask_token_id, max_anchors=spec.anchors,
+                           max_blocks=spec.max_blocks, seed=batch_seed(spec.seed, self.epoch, self.offset + s, slot))
         if self.device.type != "cuda":
             batch = batch.to(self.device)
         return batch, skipped

@@ -24,7 +24,6 @@ __all__ = [
     "Decoded",
     "Proposer",
     "drafter_proposer",
-    "open_drafter",
     "load_target",
     "greedy_decode",
     "speculative_decode",
@@ -57,33 +56,12 @@ class Decoded:
         return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
 
 
-def open_drafter(path: str | os.PathLike, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """Return the drafter of an export folder, a checkpoint folder or a training run (its newest checkpoint)."""
-    from .export import CHECKPOINT_CONFIG, find_checkpoint, load_drafter
-
-    p = Path(path)
-    if not p.is_dir():
-        raise InputError(f"--drafter {p}: expected an export folder (`dflash export`) or a run folder "
-                         "(`dflash train --out`), found no folder; run `dflash export --run RUN --out DIR`")
-    if (p / "config.json").is_file() or (p / CHECKPOINT_CONFIG).is_file():
-        model = load_drafter(p, device=device, dtype=dtype)
-    else:
-        model = load_drafter(find_checkpoint(p), device=device, dtype=dtype)
-    return model.eval()
-
-
 def load_target(path: str | os.PathLike, *, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32) -> Any:
     """Return the target causal LM of a Hugging Face folder, in eval mode on device (fp32 by default: greedy ties)."""
-    from transformers import AutoModelForCausalLM
+    from ..target import load_target as load
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise InputError(f"--target {path}: expected a Hugging Face causal LM folder; "
-                         f"{str(e).splitlines()[0][:200]}") from None
-    return model.to(device).eval()
+    return load(path, device=device, dtype=dtype, option="--target")
 
 
 def drafter_proposer(drafter: DFlashDrafter, target: Any) -> Proposer:

@@ -209,17 +209,19 @@ class LoaderState:
             "follow_done": self.follow_done,
         }
 
-    def load_state_dict(self, state: dict[str, Any], where: str) -> None:
-        """Take a saved state; ConfigError naming the field if it was made for another version, world or seed."""
+    def load_state_dict(self, state: dict[str, Any], where: str = "") -> None:
+        """Take a saved state; ConfigError naming the field (and `where` it came from) if it was made for another
+        version, world or seed."""
+        where = f"{where}: " if where else ""
         if state.get("version") != LOADER_STATE_VERSION:
             raise ConfigError(
-                f"{where}: loader state version {state.get('version')!r}, this dflash reads "
+                f"{where}loader state version {state.get('version')!r}, this dflash reads "
                 f"{LOADER_STATE_VERSION}; resume with the dflash version that wrote it or start a new --out"
             )
         for key, mine in (("world_size", self.world_size), ("num_slots", self.num_slots), ("seed", self.seed)):
             if state.get(key) != mine:
                 raise ConfigError(
-                    f"{where}: loader state was saved with {key} {state.get(key)!r}, this run has {mine!r}; "
+                    f"{where}loader state was saved with {key} {state.get(key)!r}, this run has {mine!r}; "
                     f"resume with the same --gpus/--grad-accum/--seed, or start a new --out"
                 )
         self.epoch = int(state["epoch"])

@@ -16,29 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..atomic import append_lines, repair_torn_tail
+from ..conversations import message
 from ..errors import ConfigError, InputError
+from .prompts import Prompt, read_prompts
 
 if TYPE_CHECKING:
     from ..config import GenerateConfig
 
-__all__ = ["Prompt", "GenerateResult", "read_prompts", "read_done", "run"]
+__all__ = ["GenerateResult", "read_done", "run"]
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
-_JSON_SUFFIXES = (".jsonl", ".json")
 # The options that decide what an answer is; a rerun into the same --out must keep them.
 _IDENTITY_FIELDS = ("model", "max_new_tokens", "temperature", "seed")
 _LOG_EVERY_S = 30.0
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt: its row among the file's non-blank lines, its 1-based line number, and the conversation."""
-
-    row: int
-    line: int
-    messages: list[dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -57,74 +49,6 @@ class GenerateResult:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def _bad(path: Path, line: int, expected: str, found: str) -> InputError:
-    return InputError(
-        f"--prompts {path} line {line}: expected {expected}, found {found}; fix or remove that line and rerun"
-    )
-
-
-def _conversation(path: Path, line: int, rec: Any) -> list[dict[str, str]]:
-    """Return the messages of one JSON prompt record, or raise InputError naming the line."""
-    if isinstance(rec, str):
-        rec = {"prompt": rec}
-    if not isinstance(rec, dict):
-        raise _bad(path, line, 'an object {"prompt": ...} or {"messages": [...]}', f"a JSON {type(rec).__name__}")
-    if "messages" in rec:
-        turns = rec["messages"]
-        if not isinstance(turns, list) or not turns:
-            raise _bad(path, line, "messages to be a non-empty list", repr(turns)[:60])
-        out = []
-        for k, turn in enumerate(turns):
-            if not isinstance(turn, dict) or turn.get("role") not in ROLES:
-                role = turn.get("role") if isinstance(turn, dict) else type(turn).__name__
-                raise _bad(path, line, f"turn {k} to have a role among {', '.join(ROLES)}", repr(role))
-            content = turn.get("content")
-            if not isinstance(content, str) or not content.strip():
-                raise _bad(path, line, f"turn {k} to have non-empty string content", repr(content)[:60])
-            out.append({"role": turn["role"], "content": content})
-        if out[-1]["role"] != "user":
-            raise _bad(path, line, "the last turn to be the user's (the target answers it)", f"a {out[-1]['role']} turn")
-        return out
-    if "prompt" in rec:
-        text = rec["prompt"]
-        if not isinstance(text, str) or not text.strip():
-            raise _bad(path, line, "prompt to be a non-empty string", repr(text)[:60])
-        return [{"role": "user", "content": text}]
-    keys = ", ".join(sorted(map(str, rec))[:6])
-    raise _bad(path, line, 'a "prompt" or "messages" key', f"keys [{keys}]")
-
-
-def read_prompts(path: str | os.PathLike) -> list[Prompt]:
-    """Return the prompts of a file: JSONL ({"prompt"} / {"messages"} / a JSON string) or plain text, one per line.
-
-    Blank lines are not rows (as in `dflash extract`), so row i is the i-th non-blank line.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"--prompts {path}: no such file; pass a .jsonl or .txt file of prompts") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"--prompts {path}: expected a readable UTF-8 text file, found {e}") from None
-    as_json = path.suffix.lower() in _JSON_SUFFIXES
-    prompts: list[Prompt] = []
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
-            continue
-        if as_json:
-            try:
-                rec = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise _bad(path, lineno, "one JSON object", f"invalid JSON ({e.msg} at column {e.colno})") from None
-            messages = _conversation(path, lineno, rec)
-        else:
-            messages = [{"role": "user", "content": raw.strip()}]
-        prompts.append(Prompt(row=len(prompts), line=lineno, messages=messages))
-    if not prompts:
-        raise InputError(f"--prompts {path}: expected at least one prompt, found an empty file")
-    return prompts
-
-
 def read_done(out: Path, prompts: list[Prompt]) -> set[int]:
     """Return the source rows already answered in `out`, after cutting off a torn last line left by a kill.
 
@@ -133,16 +57,12 @@ def read_done(out: Path, prompts: list[Prompt]) -> set[int]:
     """
     if not out.exists():
         return set()
+    torn = repair_torn_tail(out)
+    if torn:
+        log.warning("%s: dropped a torn last line of %d bytes (an interrupted write)", out, torn)
     data = out.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        log.warning("%s: dropping a torn last line of %d bytes (an interrupted write)", out, len(data) - end)
-        with open(out, "r+b") as f:
-            f.truncate(end)
-            f.flush()
-            os.fsync(f.fileno())
     done: set[int] = set()
-    for lineno, raw in enumerate(data[:end].splitlines(), 1):
+    for lineno, raw in enumerate(data.splitlines(), 1):
         if not raw.strip():
             continue
         try:
@@ -214,11 +134,7 @@ class _Progress:
 
 def _append(out: Path, records: list[dict[str, Any]]) -> None:
     """Append records as JSON lines and fsync, so a batch is either on disk whole or ends in a torn last line."""
-    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
-    with open(out, "ab") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
+    append_lines(out, (json.dumps(r, ensure_ascii=False) for r in records))
 
 
 def run(cfg: "GenerateConfig") -> GenerateResult:
@@ -263,7 +179,7 @@ def run(cfg: "GenerateConfig") -> GenerateResult:
 
 def _record(prompt: Prompt, text: str, n_tokens: int, finished: bool) -> dict[str, Any]:
     return {
-        "messages": prompt.messages + [{"role": "assistant", "content": text}],
+        "messages": prompt.messages + [message("assistant", text)],
         "source_row": prompt.row,
         "completion_tokens": n_tokens,
         "finish_reason": "stop" if finished else "length",
@@ -273,7 +189,9 @@ def _record(prompt: Prompt, text: str, n_tokens: int, finished: bool) -> dict[st
 def _transformers_backend(cfg: "GenerateConfig"):
     """Return a function that yields one list of records per batch of prompts, using transformers' generate."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from ..target import load_target
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: expected a CUDA device, found none; rerun with --device cpu")
@@ -285,7 +203,7 @@ def _transformers_backend(cfg: "GenerateConfig"):
     # between batch 16 and batch 1. fp32 kept 8 of 8 answers identical between batch 8 and batch 1, so it is
     # what we use, at a cost (bf16 decoded up to ~3x faster on this AVX512-bf16 CPU). GPUs keep the folder's dtype.
     dtype = torch.float32 if cfg.device == "cpu" else "auto"
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(cfg.device).eval()
+    model = load_target(cfg.model, device=cfg.device, dtype=dtype)
     # Left padding keeps every prompt's last token at the same column, where generation continues.
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

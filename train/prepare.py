@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import ConfigError, CorruptShard, ManifestMismatch
-from .checkpoint import check_resume, latest_checkpoint, read_run_record
-from .loader import split_shards
+from .checkpoint import Checkpointer, check_resume, read_run_record
+from .plan import split_shards
 from .metrics import METRICS_FILE
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
     from ..storage import Store
-    from .model import DrafterConfig
+    from ..drafter.model import DrafterConfig
 
 __all__ = ["drafter_config", "run_record", "prepare_run_folder", "ShardLengths", "lr_factor"]
 
@@ -32,7 +32,7 @@ _STORE_IDENTITY = ("layer_ids", "hidden_size", "mask_token_id", "codec", "tokeni
 def drafter_config(cfg: "TrainConfig", store: "Store") -> "DrafterConfig":
     """Return the drafter shape for this target and store; ManifestMismatch if they do not belong together."""
     from .evaluate import check_compatible
-    from .model import DrafterConfig
+    from ..drafter.model import DrafterConfig
 
     header = store.header
     dcfg = DrafterConfig.from_target(
@@ -72,7 +72,7 @@ def prepare_run_folder(cfg: "TrainConfig", record: dict[str, Any]) -> Path | Non
     run = Path(cfg.out)
     if run.exists() and not run.is_dir():
         raise ConfigError(f"--out {run}: exists and is not a folder; pass a new folder path")
-    ckpt = latest_checkpoint(run)
+    ckpt = Checkpointer(run).latest()
     saved = read_run_record(run)
     if not cfg.resume:
         if ckpt is not None or (run / METRICS_FILE).exists():
@@ -98,11 +98,8 @@ class ShardLengths:
 
     def __getitem__(self, sid: int) -> np.ndarray:
         if sid not in self.cache:
-            from ..storage.reader import load_record, read_small
-
             try:
-                record = load_record(self.store.fs, sid)
-                self.cache[sid] = np.diff(read_small(self.store.fs, sid, record, "offsets"))
+                self.cache[sid] = self.store.sample_lengths(sid)
             except CorruptShard as e:
                 if not self.skip_corrupt:
                     raise CorruptShard(f"{e}; or rerun `dflash train` with --skip-corrupt to train without it") from None

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from .model import Attend, DrafterConfig
-    from .objective import PackedBatch
+    from .batch import PackedBatch
 
 __all__ = ["visible", "key_index", "query_index", "dense_masks", "make_attend", "bucket"]
 

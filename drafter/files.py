@@ -1,0 +1,192 @@
+"""The folder format of a drafter: its weights and config files, the Hugging Face export, and loading either.
+
+    DRAFTER/model.safetensors      the drafter's tensors under their bare names (layers.*, fc, hidden_norm, norm)
+    DRAFTER/drafter_config.json    DrafterConfig.to_dict(): a checkpoint's step folder holds these two
+    EXPORT/config.json             the Qwen3 fields plus what DFlash inference reads (written last: a folder with
+                                   it is a finished export), beside model.safetensors in bf16
+Which folder of a run holds a drafter is the checkpointer's business (`dflash.train.checkpoint`); this module
+knows only what is inside one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..atomic import write_atomic
+from ..errors import InputError
+from .model import DFlashDrafter, DrafterConfig
+
+__all__ = [
+    "WEIGHTS",
+    "DRAFTER_CONFIG",
+    "EXPORT_CONFIG",
+    "has_drafter_files",
+    "is_export",
+    "save_drafter_files",
+    "export_config",
+    "config_from_export",
+    "write_export",
+    "load_drafter",
+]
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = "model.safetensors"
+DRAFTER_CONFIG = "drafter_config.json"
+EXPORT_CONFIG = "config.json"
+# Wrappers (DDP, torch.compile, FSDP) prefix parameter names; the export carries the bare names.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def has_drafter_files(folder: str | os.PathLike) -> bool:
+    """Return True if folder holds a drafter's weights and drafter_config.json (a checkpoint's drafter)."""
+    folder = Path(folder)
+    return (folder / WEIGHTS).is_file() and (folder / DRAFTER_CONFIG).is_file()
+
+
+def is_export(folder: str | os.PathLike) -> bool:
+    """Return True if folder is a finished export (config.json naming a DFlash drafter, beside the weights)."""
+    folder = Path(folder)
+    return (folder / EXPORT_CONFIG).is_file() and (folder / WEIGHTS).is_file()
+
+
+def export_config(cfg: DrafterConfig) -> dict[str, Any]:
+    """Return config.json of an export: the Qwen3 fields plus what DFlash inference reads."""
+    out = cfg.qwen3_config().to_dict()
+    for key in ("transformers_version", "_name_or_path", "id2label", "label2id"):
+        out.pop(key, None)
+    out.update(
+        architectures=["DFlashDraftModel"],
+        block_size=cfg.block_size,
+        num_target_layers=cfg.num_target_layers,
+        dflash_config={"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id},
+        layer_types=list(cfg.layer_types),
+        sliding_window=cfg.sliding_window,
+        # The block is bidirectional in every layer, sliding ones too; the reference makes sliding layers causal
+        # unless the config says otherwise, so say it.
+        is_causal=False,
+        dtype="bfloat16",
+        torch_dtype="bfloat16",
+    )
+    return out
+
+
+def config_from_export(data: dict[str, Any]) -> DrafterConfig:
+    """Return the DrafterConfig of an exported config.json."""
+    try:
+        dflash = data["dflash_config"]
+        rope = data.get("rope_parameters") or {"rope_type": "default", "rope_theta": data.get("rope_theta", 1e4)}
+        return DrafterConfig(
+            hidden_size=data["hidden_size"], intermediate_size=data["intermediate_size"],
+            num_hidden_layers=data["num_hidden_layers"], num_attention_heads=data["num_attention_heads"],
+            num_key_value_heads=data["num_key_value_heads"], head_dim=data["head_dim"], vocab_size=data["vocab_size"],
+            rms_norm_eps=data["rms_norm_eps"], rope_parameters=dict(rope),
+            max_position_embeddings=data["max_position_embeddings"], hidden_act=data.get("hidden_act", "silu"),
+            block_size=data["block_size"], target_layer_ids=tuple(dflash["target_layer_ids"]),
+            num_target_layers=data["num_target_layers"], mask_token_id=dflash["mask_token_id"],
+            layer_types=tuple(data.get("layer_types") or ()), sliding_window=data.get("sliding_window"),
+        )
+    except KeyError as e:
+        raise InputError(f"exported config.json has no {e}; re-export with `dflash export`") from None
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: cannot read JSON ({e}); re-export or pick another checkpoint") from None
+
+
+def _state_dict(folder: Path, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """Return the weights of a checkpoint or export with bare names, checked against the drafter's own names."""
+    from safetensors.torch import load_file
+
+    raw = load_file(str(folder / WEIGHTS))
+    sd = {}
+    for name, t in raw.items():
+        for prefix in _WRAPPER_PREFIXES:
+            name = name.removeprefix(prefix)
+        sd[name] = t
+    with torch.device("meta"):
+        expected = DFlashDrafter(cfg).state_dict()
+    missing, extra = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
+    if missing or extra:
+        raise InputError(
+            f"{folder / WEIGHTS}: expected the drafter's {len(expected)} tensors, found {len(sd)} "
+            f"(missing {missing[:3]}, unexpected {extra[:3]}); it does not match {DRAFTER_CONFIG}, pick another checkpoint"
+        )
+    bad = [n for n in expected if tuple(sd[n].shape) != tuple(expected[n].shape)]
+    if bad:
+        raise InputError(f"{folder / WEIGHTS}: tensor {bad[0]} has shape {tuple(sd[bad[0]].shape)}, "
+                         f"expected {tuple(expected[bad[0]].shape)} from its config; pick another checkpoint")
+    return sd
+
+
+def save_drafter_files(model: torch.nn.Module, folder: str | os.PathLike) -> Path:
+    """Write a drafter's weights (model.safetensors, bare names) and drafter_config.json into folder; return it.
+
+    Each file is written atomically (temp, fsync, rename), the config last. A DDP or compiled wrapper is fine.
+    """
+    from safetensors.torch import save
+
+    inner = model
+    while hasattr(inner, "module") or hasattr(inner, "_orig_mod"):
+        inner = getattr(inner, "module", None) or getattr(inner, "_orig_mod")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().contiguous().cpu() for k, v in inner.state_dict().items()}
+    write_atomic(folder / WEIGHTS, save(sd, metadata={"format": "pt"}))
+    write_atomic(folder / DRAFTER_CONFIG, (json.dumps(inner.config.to_dict(), indent=2) + "\n").encode())
+    return folder
+
+
+def write_export(src: str | os.PathLike, out: str | os.PathLike, *, remote_code: bool = False) -> Path:
+    """Write the drafter of folder `src` (drafter files) as an HF folder at out; return out.
+
+    out gets model.safetensors (bf16; exactly layers.*, fc.weight, hidden_norm.weight, norm.weight) and, written
+    last, config.json. With remote_code, also modeling_dflash.py and an auto_map for trust_remote_code loading.
+    """
+    from safetensors.torch import save
+
+    src = Path(src)
+    cfg = DrafterConfig.from_dict(read_json(src / DRAFTER_CONFIG))
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(_state_dict(src, cfg).items())}
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out}: exists and is not a folder; pass a new folder path")
+    out.mkdir(parents=True, exist_ok=True)
+    # config.json goes last: a folder with it is a finished export.
+    (out / EXPORT_CONFIG).unlink(missing_ok=True)
+    write_atomic(out / WEIGHTS, save(sd, metadata={"format": "pt", "source": str(src)}))
+    config = export_config(cfg)
+    if remote_code:
+        from .remote_code import write_modeling_file
+
+        write_modeling_file(out, write_atomic)
+        config["auto_map"] = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    write_atomic(out / EXPORT_CONFIG, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    log.info("exported %s (%d tensors) to %s", src, len(sd), out)
+    return out
+
+
+def load_drafter(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str = "cpu") -> DFlashDrafter:
+    """Return the drafter of an export folder (config.json) or a checkpoint folder (drafter_config.json)."""
+    path = Path(path)
+    if (path / DRAFTER_CONFIG).is_file():
+        cfg = DrafterConfig.from_dict(read_json(path / DRAFTER_CONFIG))
+    elif (path / EXPORT_CONFIG).is_file():
+        cfg = config_from_export(read_json(path / EXPORT_CONFIG))
+    else:
+        raise InputError(f"{path}: expected config.json (an export) or {DRAFTER_CONFIG} (a checkpoint), found "
+                         "neither; run `dflash export --run RUN --out DIR`")
+    sd = _state_dict(path, cfg)
+    with torch.device("meta"):  # no throwaway random init of a billion parameters
+        model = DFlashDrafter(cfg)
+    model.load_state_dict(sd, assign=True)
+    return model.to(device=device, dtype=dtype or next(iter(sd.values())).dtype)

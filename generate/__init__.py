@@ -1,0 +1,19 @@
+"""dflash.generate: the target answers prompts through its chat template (the drafter learns its own answers).
+
+Imports nothing heavy: torch and transformers load inside `run`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..config import GenerateConfig
+
+__all__ = ["run"]
+
+
+def run(cfg: "GenerateConfig") -> Any:
+    """Run `dflash generate` with a validated config; return its GenerateResult."""
+    from .answer import run as _run
+
+    return _run(cfg)

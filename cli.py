@@ -5,11 +5,12 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import click
 
 from . import __version__
+from .config import DemoConfig, EvalConfig, ExtractConfig, GenerateConfig, TrainConfig
 from .errors import ConfigError, DflashError
 
 log = logging.getLogger("dflash")
@@ -84,13 +85,62 @@ def config_option(f):
     )(f)
 
 
-def _layers(value: str) -> tuple[int, ...] | None:
-    if value is None or str(value).strip().lower() == "auto":
-        return None
-    try:
-        return tuple(int(x) for x in str(value).split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"--layers {value!r}: expected auto or comma-separated layer ids like 1,9,17,25,33") from None
+_CLICK_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _click_type(field: Any) -> Any:
+    """Return the click type of a config field from its annotation (with `from __future__ import annotations`,
+    a string such as "int | None" or "tuple[str, ...]")."""
+    if field.metadata.get("choices"):
+        return click.Choice(list(field.metadata["choices"]))
+    if field.metadata.get("parse"):
+        return str
+    base = str(field.type).replace(" | None", "")
+    return _CLICK_TYPES.get(base, str)
+
+
+def config_options(cls: type, *, skip: tuple[str, ...] = ()) -> Callable:
+    """Add one click option per field of a stage config, with the default, choices and help its metadata holds."""
+    import dataclasses
+
+    def decorate(f: Callable) -> Callable:
+        for field in reversed([x for x in dataclasses.fields(cls) if x.name not in skip]):
+            meta = field.metadata
+            name = "--" + field.name.replace("_", "-")
+            required = field.default is dataclasses.MISSING
+            kw: dict[str, Any] = {"help": meta.get("help"), "metavar": meta.get("metavar")}
+            if field.type == "bool":
+                kw.update(is_flag=True, default=False)
+            elif str(field.type).startswith("tuple[str"):
+                kw.update(multiple=True, required=True, type=str)
+            else:
+                kw.update(type=_click_type(field), required=required)
+                if not required:  # a required option given a default (even None) would no longer be required first
+                    default = meta.get("cli_default") or field.default
+                    kw.update(default=default, show_default=default is not None)
+            f = click.option(name, **kw)(f)
+        return f
+
+    return decorate
+
+
+def make_config(cls: type, opts: dict[str, Any]) -> Any:
+    """Return the stage config of a command's parsed options: text parsed where a field says so, lists as tuples."""
+    import dataclasses
+
+    from . import config as config_mod
+
+    values = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in opts:
+            continue
+        value = opts[field.name]
+        if field.metadata.get("parse"):
+            value = getattr(config_mod, field.metadata["parse"])(value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        values[field.name] = value
+    return cls(**values)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -109,36 +159,17 @@ def cli(log_level: str) -> None:
     extract: conversations -> target forward on GPUs -> zarr shards + manifest
     train:   committed shards -> drafter training on other GPUs (can follow a running extract)
     """
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    from .runtime import setup_logging
+
+    setup_logging(log_level)
 
 
 @cli.command()
 @config_option
-@click.option("--model", required=True, help="Target model: a Hugging Face folder.")
-@click.option("--data", required=True, multiple=True, help="JSONL/JSON/Parquet files or a datasets folder (repeatable).")
-@click.option("--out", required=True, help="Store path (a folder or an fsspec URL).")
-@click.option("--gpus", default="0,1,2,3,4", show_default=True, help="GPU indices, or cpu.")
-@click.option("--layers", default="auto", show_default=True, help="auto or comma-separated target layer ids.")
-@click.option("--max-length", default=4096, show_default=True, type=int)
-@click.option("--min-loss-tokens", default=32, show_default=True, type=int)
-@click.option("--shard-size", default=None, type=int, help="Source rows per shard [default: ~2 GB of features].")
-@click.option("--batch-tokens", default=32768, show_default=True, type=int)
-@click.option("--codec", default="blosc", show_default=True, type=click.Choice(["blosc", "none", "fp8"]))
-@click.option("--chat-template", default=None, help="Jinja chat template file to use instead of the tokenizer's.")
-@click.option("--mask-token-id", default=None, type=int, help="Mask token when the vocabulary has no unused row.")
-@click.option("--strict", is_flag=True, help="Stop at the first bad row instead of counting it.")
-@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32"]))
+@config_options(ExtractConfig)
 def extract(**opts: Any) -> None:
     """Run the target over conversations and store its DFlash features (rerun to resume)."""
-    from .config import ExtractConfig
-
-    opts["data"] = tuple(opts["data"])
-    opts["layers"] = _layers(opts["layers"])
-    cfg = ExtractConfig(**opts)
+    cfg = make_config(ExtractConfig, opts)
     from . import extract as stage
 
     stage.run(cfg)
@@ -146,40 +177,10 @@ def extract(**opts: Any) -> None:
 
 @cli.command()
 @config_option
-@click.option("--store", required=True, help="Feature store made by `dflash extract`.")
-@click.option("--target", required=True, help="Target model folder (embedding and lm_head are read from it).")
-@click.option("--out", required=True, help="Run folder: checkpoints, metrics.jsonl, config.")
-@click.option("--gpus", default="5,6,7", show_default=True, help="GPU indices, or cpu.")
-@click.option("--epochs", default=6, show_default=True, type=int)
-@click.option("--max-steps", default=None, type=int)
-@click.option("--batch-tokens", default=16384, show_default=True, type=int)
-@click.option("--lr", default=6e-4, show_default=True, type=float)
-@click.option("--draft-layers", default=5, show_default=True, type=int)
-@click.option("--block-size", default=16, show_default=True, type=int)
-@click.option("--anchors", default=512, show_default=True, type=int,
-              help="Blocks drawn per sample; a batch holds at most --batch-tokens/4 blocks in all.")
-@click.option("--grad-accum", default=1, show_default=True, type=int)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--val-fraction", default=0.0, show_default=True, type=float)
-@click.option("--follow", is_flag=True, help="Train while `dflash extract` is still writing the store.")
-@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
-@click.option("--save-every", default=1000, show_default=True, type=int)
-@click.option("--keep", default=3, show_default=True, type=int)
-@click.option("--log-every", default=10, show_default=True, type=int)
-@click.option("--tensorboard", is_flag=True)
-@click.option("--skip-corrupt", is_flag=True, help="Skip (and count) corrupt shards instead of stopping.")
-@click.option("--prefetch-shards", default=2, show_default=True, type=int, help="Whole shards each rank reads ahead.")
-@click.option("--warmup-ratio", default=0.04, show_default=True, type=float)
-@click.option("--sliding-window", default=None, type=int, help="Window of sliding layers (with --full-every).")
-@click.option("--full-every", default=None, type=int, help="Every K-th drafter layer attends fully.")
-@click.option("--attention", default="auto", show_default=True, type=click.Choice(["auto", "flex", "sdpa"]))
-@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32"]),
-              help="Compute dtype (master weights stay fp32).")
+@config_options(TrainConfig)
 def train(**opts: Any) -> None:
     """Train a DFlash drafter from a feature store (can follow a running extract)."""
-    from .config import TrainConfig
-
-    cfg = TrainConfig(**opts)
+    cfg = make_config(TrainConfig, opts)
     from . import train as stage
 
     stage.run(cfg)
@@ -187,19 +188,14 @@ def train(**opts: Any) -> None:
 
 @cli.command(name="eval")
 @config_option
-@click.option("--drafter", required=True, help="Run folder of `dflash train`, one of its checkpoints, or an export.")
-@click.option("--store", required=True, help="Feature store made by `dflash extract`.")
+@config_options(EvalConfig)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--target", default=None, help="Target folder for embedding/lm_head [default: the run's or the store's].")
-@click.option("--shards", default="val", show_default=True, type=click.Choice(["val", "all"]),
-              help="The held-out shards of the run, or every committed shard.")
-@click.option("--val-fraction", default=None, type=float, help="Held-out fraction used in training (for an export).")
-@click.option("--skip-corrupt", is_flag=True, help="Skip (and count) corrupt shards instead of stopping.")
-def eval_(drafter: str, store: str, as_json: bool, **opts: Any) -> None:
+def eval_(as_json: bool, **opts: Any) -> None:
     """Teacher-forced tau_hat and per-slot acceptance of a drafter on a store's held-out shards."""
+    cfg = make_config(EvalConfig, opts)
     from .train.evaluate import format_eval, run_eval
 
-    result = run_eval(drafter, store, **opts)
+    result = run_eval(cfg)
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else format_eval(result))
 
 
@@ -244,20 +240,10 @@ def verify(store: str, repair: bool) -> int:
 
 @cli.command()
 @config_option
-@click.option("--model", required=True, help="Target model: a Hugging Face folder.")
-@click.option("--prompts", required=True, help="Prompts: JSONL ({prompt} or {messages} ending on the user) or text lines.")
-@click.option("--out", required=True, help="Output JSONL of conversations (appended; rerun to resume).")
-@click.option("--max-new-tokens", default=256, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
-@click.option("--batch-size", default=16, show_default=True, type=int)
-@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
-@click.option("--backend", default="transformers", show_default=True, type=click.Choice(["transformers", "vllm"]))
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of sampling (temperature > 0).")
+@config_options(GenerateConfig)
 def generate(**opts: Any) -> None:
     """Answer prompts with the target model, writing conversations ready for `dflash extract`."""
-    from .config import GenerateConfig
-
-    cfg = GenerateConfig(**opts)
+    cfg = make_config(GenerateConfig, opts)
     from . import generate as stage
 
     stage.run(cfg)
@@ -265,15 +251,10 @@ def generate(**opts: Any) -> None:
 
 @cli.command()
 @config_option
-@click.option("--out", default="dflash-demo", show_default=True, help="Folder for every stage's output (rerun to resume).")
-@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
-@click.option("--budget", default="auto", show_default=True, type=click.Choice(["auto", "full", "gpu", "tiny"]),
-              help="How much data and training: auto picks full on cpu, gpu on cuda; tiny is a smoke run.")
+@config_options(DemoConfig)
 def demo(**opts: Any) -> None:
     """The whole recipe on the embedded SmolLM2 target: generate, extract, train, evaluate, export, decode."""
-    from .config import DemoConfig
-
-    cfg = DemoConfig(**opts)
+    cfg = make_config(DemoConfig, opts)
     from . import demo as stage
 
     click.echo(stage.format_table(stage.run(cfg)))

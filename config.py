@@ -10,10 +10,13 @@ from typing import Any
 from .errors import ConfigError
 
 __all__ = [
+    "option",
+    "parse_layers",
     "StageConfig",
     "ExtractConfig",
     "TrainConfig",
     "GenerateConfig",
+    "EvalConfig",
     "DemoConfig",
     "parse_gpus",
     "resolve_devices",
@@ -22,6 +25,30 @@ __all__ = [
 
 CODECS = ("blosc", "none", "fp8")
 DTYPES = ("bfloat16", "float32")
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str, choices: tuple[str, ...] | None = None,
+           cli_default: str | None = None, parse: str | None = None, metavar: str | None = None) -> Any:
+    """Return a config field whose metadata is its command-line option: the one place for default, choices, help.
+
+    cli_default: the text the option shows and takes by default when the field's value is not text (layers: auto);
+    parse: the name of this module's function that turns the option's text into the field's value.
+    """
+    meta = {"help": help, "choices": choices, "cli_default": cli_default, "parse": parse, "metavar": metavar}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def parse_layers(value: Any) -> tuple[int, ...] | None:
+    """Return the layer ids of a `--layers` value ("auto" -> None, "1,9,17" -> (1, 9, 17))."""
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    try:
+        return tuple(int(x) for x in str(value).split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--layers {value!r}: expected auto or comma-separated layer ids like 1,9,17,25,33") from None
+
 
 
 def parse_gpus(spec: str) -> list[int] | None:
@@ -123,21 +150,31 @@ class StageConfig:
 class ExtractConfig(StageConfig):
     """Options of `dflash extract`: target, data, store, devices, capture and sharding."""
 
-    model: str
-    data: tuple[str, ...]
-    out: str
-    gpus: str = "0,1,2,3,4"
-    layers: tuple[int, ...] | None = None  # None = auto: build_target_layer_ids(num_layers, 5)
-    max_length: int = 4096
-    min_loss_tokens: int = 32
-    shard_size: int | None = None  # source rows per shard; None = sized to ~2 GB of features
-    batch_tokens: int = 32768
-    codec: str = "blosc"
-    chat_template: str | None = None
-    mask_token_id: int | None = None
-    strict: bool = False
-    dtype: str = "bfloat16"
-    writer_threads: int = 4
+    model: str = option(help="Target model: a Hugging Face folder (config.json, weights, tokenizer).")
+    data: tuple[str, ...] = option(
+        help="Conversations (repeatable): .jsonl/.json rows of {messages: [{role, content}]}, ShareGPT "
+             "{conversations: [{from, value}]} or Alpaca {instruction, output}; .parquet/.arrow with such columns; "
+             "or a `datasets` save_to_disk folder.", metavar="FILE")
+    out: str = option(help="Store path (a folder or an fsspec URL); rerun the same command to resume.")
+    gpus: str = option("0,1,2,3,4", help="GPU indices (0,1,2 or 0-4; one worker process each), or cpu.")
+    layers: tuple[int, ...] | None = option(
+        None, cli_default="auto", parse="parse_layers",
+        help="Target decoder layers to capture: auto (5 evenly spaced from 1 to L-3, as DFlash does) or ids like "
+             "1,9,17,25,33.")
+    max_length: int = option(4096, help="Tokens per conversation; longer ones are cut (and counted).")
+    min_loss_tokens: int = option(32, help="Drop conversations with fewer assistant (loss) tokens than this.")
+    shard_size: int | None = option(None, help="Source rows per shard [default: sized to ~2 GB of features].")
+    batch_tokens: int = option(32768, help="Tokens per target forward batch, padding included (>= --max-length).")
+    codec: str = option("blosc", choices=CODECS,
+                        help="Feature encoding: blosc (lossless, ~0.69x raw bf16), none (raw), fp8 (lossy, ~0.43x).")
+    chat_template: str | None = option(None, help="Jinja chat template file to use instead of the tokenizer's.")
+    mask_token_id: int | None = option(
+        None, help="Mask token of the drafter's blocks. Default: the first embedding row the tokenizer does not use "
+                   "(when vocab_size > len(tokenizer)); a target with a full vocabulary needs an unused special "
+                   "token's id here. Recorded in the store.")
+    strict: bool = option(False, help="Stop at the first bad row instead of counting it.")
+    dtype: str = option("bfloat16", choices=DTYPES, help="Dtype the target runs in.")
+    writer_threads: int = option(4, help="Threads per worker that compress and write chunks.")
 
     def __post_init__(self) -> None:
         _check(bool(self.data), "--data needs at least one file or folder")
@@ -161,35 +198,36 @@ class ExtractConfig(StageConfig):
 class TrainConfig(StageConfig):
     """Options of `dflash train`: store, target, run folder, devices, model shape, optimisation, checkpoints."""
 
-    store: str
-    target: str
-    out: str
-    gpus: str = "5,6,7"
-    epochs: int = 6
-    max_steps: int | None = None
-    batch_tokens: int = 16384
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    draft_layers: int = 5
-    block_size: int = 16
-    anchors: int = 512
-    grad_accum: int = 1
-    seed: int = 0
-    val_fraction: float = 0.0
-    follow: bool = False
-    resume: bool = False
-    save_every: int = 1000
-    keep: int = 3
-    log_every: int = 10
-    tensorboard: bool = False
-    skip_corrupt: bool = False
-    prefetch_shards: int = 2
-    sliding_window: int | None = None
-    full_every: int | None = None
-    attention: str = "auto"
-    dtype: str = "bfloat16"
+    store: str = option(help="Feature store made by `dflash extract`.")
+    target: str = option(help="Target model folder (its embedding and lm_head are read, frozen).")
+    out: str = option(help="Run folder: checkpoints, metrics.jsonl, config.json, curves.png.")
+    gpus: str = option("5,6,7", help="GPU indices (one DDP process each), or cpu.")
+    epochs: int = option(6, help="Passes over the training shards.")
+    max_steps: int | None = option(None, help="Stop after this many optimizer steps (the schedule follows).")
+    batch_tokens: int = option(16384, help="Context tokens per micro-batch (one slot's batch).")
+    lr: float = option(6e-4, help="Peak learning rate of AdamW (cosine schedule after warmup).")
+    warmup_ratio: float = option(0.04, help="Fraction of the run spent in linear warmup.")
+    weight_decay: float = option(0.0, help="AdamW weight decay.")
+    clip: float = option(1.0, help="Gradient-norm clip.")
+    draft_layers: int = option(5, help="Decoder layers of the drafter.")
+    block_size: int = option(16, help="Block size B: the anchor plus B-1 drafted tokens.")
+    anchors: int = option(512, help="Blocks drawn per sample; a batch holds at most --batch-tokens/4 blocks in all.")
+    grad_accum: int = option(1, help="Micro-batches per rank per step; the global batch is GPUs x this (slots).")
+    seed: int = option(0, help="Seed of data order, anchors and initialisation.")
+    val_fraction: float = option(0.0, help="Fraction of shards held out for validation (by shard).")
+    follow: bool = option(False, help="Train while `dflash extract` is still writing the store.")
+    resume: bool = option(False, help="Continue from the newest complete checkpoint of --out.")
+    save_every: int = option(1000, help="Checkpoint every N steps (and at the end).")
+    keep: int = option(3, help="Checkpoints to keep.")
+    log_every: int = option(10, help="Log a progress line every N steps.")
+    tensorboard: bool = option(False, help="Also write TensorBoard events to RUN/tensorboard.")
+    skip_corrupt: bool = option(False, help="Skip (and count) corrupt shards instead of stopping.")
+    prefetch_shards: int = option(2, help="Whole shards each rank reads ahead.")
+    sliding_window: int | None = option(None, help="Window of sliding layers (with --full-every).")
+    full_every: int | None = option(None, help="Every K-th drafter layer attends fully (with --sliding-window).")
+    attention: str = option("auto", choices=("auto", "flex", "sdpa"),
+                            help="Attention kernel: auto is flex on CUDA, sdpa on CPU.")
+    dtype: str = option("bfloat16", choices=DTYPES, help="Compute dtype (master weights stay fp32).")
 
     def __post_init__(self) -> None:
         parse_gpus(self.gpus)
@@ -222,15 +260,15 @@ class TrainConfig(StageConfig):
 class GenerateConfig(StageConfig):
     """Options of `dflash generate`: regenerate answers with the target."""
 
-    model: str
-    prompts: str
-    out: str
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    batch_size: int = 16
-    device: str = "cpu"
-    backend: str = "transformers"
-    seed: int = 0
+    model: str = option(help="Target model: a Hugging Face folder.")
+    prompts: str = option(help="Prompts: JSONL ({prompt} or {messages} ending on the user's turn) or text lines.")
+    out: str = option(help="Output JSONL of conversations (appended; rerun to resume).")
+    max_new_tokens: int = option(256, help="Most tokens per answer.")
+    temperature: float = option(0.0, help="Sampling temperature; 0 = greedy.")
+    batch_size: int = option(16, help="Prompts answered together.")
+    device: str = option("cpu", choices=("cpu", "cuda"), help="Where the target runs.")
+    backend: str = option("transformers", choices=("transformers", "vllm"), help="Generation engine.")
+    seed: int = option(0, help="Seed of sampling (temperature > 0).")
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
@@ -244,12 +282,35 @@ DEMO_BUDGETS = ("auto", "full", "gpu", "tiny")
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalConfig(StageConfig):
+    """Options of `dflash eval`: a drafter, a store, and which of its shards to score."""
+
+    drafter: str = option(help="Run folder of `dflash train` (its newest checkpoint), one of its checkpoints, or an "
+                               "export.")
+    store: str = option(help="Feature store made by `dflash extract`.")
+    target: str | None = option(None, help="Target folder for embedding/lm_head [default: the run's or the store's].")
+    shards: str = option("val", choices=("val", "all"), help="The held-out shards of the run, or every committed one.")
+    val_fraction: float | None = option(None, help="Held-out fraction used in training (for an export).")
+    batch_tokens: int = option(16384, help="Context tokens per batch (a run's own value is used for a run).")
+    anchors: int = option(512, help="Blocks drawn per sample (a run's own value is used for a run).")
+    skip_corrupt: bool = option(False, help="Skip (and count) corrupt shards instead of stopping.")
+
+    def __post_init__(self) -> None:
+        _check(self.shards in ("val", "all"), f"--shards {self.shards!r}: use val or all")
+        _check(self.val_fraction is None or 0 < self.val_fraction < 1,
+               f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        _check(self.batch_tokens >= 1, f"--batch-tokens must be >= 1, got {self.batch_tokens}")
+        _check(self.anchors >= 1, f"--anchors must be >= 1, got {self.anchors}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DemoConfig(StageConfig):
     """Options of `dflash demo`: the whole recipe on the embedded target."""
 
-    out: str = "dflash-demo"
-    device: str = "cpu"
-    budget: str = "auto"  # auto: "full" on cpu, "gpu" on cuda; "tiny" is the reduced budget the slow test uses
+    out: str = option("dflash-demo", help="Folder for every stage's output (rerun to resume).")
+    device: str = option("cpu", choices=("cpu", "cuda"), help="Where every stage runs.")
+    budget: str = option("auto", choices=DEMO_BUDGETS,
+                         help="How much data and training: auto picks full on cpu, gpu on cuda; tiny is a smoke run.")
 
     def __post_init__(self) -> None:
         _check(self.device in ("cpu", "cuda"), f"--device {self.device!r}: use cpu or cuda")

@@ -289,9 +289,10 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         return {"steps": budget.steps, "val_tau_hat": vals[-1]["tau_hat"] if vals else None}
 
     def evaluate() -> dict[str, Any]:
+        from .config import EvalConfig
         from .train.evaluate import run_eval
 
-        r = run_eval(str(run_dir), str(store_dir))
+        r = run_eval(EvalConfig(drafter=str(run_dir), store=str(store_dir)))
         return {k: r[k] for k in ("tau_hat", "loss", "acc", "accept_rate", "blocks", "tokens", "shards")}
 
     def export() -> dict[str, Any]:

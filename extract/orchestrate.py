@@ -2,15 +2,13 @@
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import traceback
 from typing import Any
 
 import click
 
 from ..config import resolve_devices
-from ..errors import DflashError, InputError
+from ..runtime import launch, ranks_from_env
+from ..errors import InputError
 from .data import read_rows
 
 __all__ = ["run"]
@@ -31,59 +29,21 @@ def _report_bad_rows(rows: list[Any], strict: bool, shown: int = 5) -> None:
         log.warning("%d bad rows (%s), skipped: %s%s", len(rs), reason, first, "; ..." if len(rs) > shown else "")
 
 
-def _child(cfg_dict: dict[str, Any], spec: Any, events: Any, log_level: int) -> None:
-    """Entry point of a spawned worker process: run the worker, send its result or its error to the parent."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+def _worker_main(cfg_dict: dict[str, Any], spec: Any, report: Any) -> dict[str, Any]:
+    """Entry point of a spawned worker process: one device's share of the shards."""
     from ..config import ExtractConfig
     from .worker import run_worker
 
-    try:
-        result = run_worker(ExtractConfig.from_dict(cfg_dict), spec, None, events.put)
-        events.put({"kind": "done", "worker": spec.index, "result": result})
-    except DflashError as e:
-        events.put({"kind": "error", "worker": spec.index, "message": str(e)})
-        raise SystemExit(2)
-    except BaseException:
-        events.put({"kind": "error", "worker": spec.index, "message": traceback.format_exc()})
-        raise SystemExit(1)
+    return run_worker(ExtractConfig.from_dict(cfg_dict), spec, None, report)
 
 
 def _run_spawned(cfg: Any, specs: list[Any], progress: Any) -> list[dict[str, Any]]:
-    """Return the results of one worker process per device, folding their events into progress as they come."""
-    import multiprocessing as mp
+    """Return the results of one worker process per device, folding their events into progress as they come.
 
-    ctx = mp.get_context("spawn")  # CUDA cannot be forked
-    events = ctx.Queue()
-    procs = {
-        s.index: ctx.Process(target=_child, args=(cfg.to_dict(), s, events, logging.getLogger().level), daemon=False)
-        for s in specs
-    }
-    for p in procs.values():
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    errors: dict[int, str] = {}
-    try:
-        while len(results) + len(errors) < len(procs):
-            try:
-                ev = events.get(timeout=1.0)
-            except queue.Empty:
-                for i, p in procs.items():
-                    if i not in results and i not in errors and p.exitcode is not None and events.empty():
-                        errors[i] = f"worker on {specs[i].device} died with exit code {p.exitcode}"
-                continue
-            if ev["kind"] == "done":
-                results[ev["worker"]] = ev["result"]
-            elif ev["kind"] == "error":
-                errors[ev["worker"]] = ev["message"]
-            else:
-                progress.update(ev)
-    finally:
-        for p in procs.values():
-            p.join(timeout=60)
-    if errors:
-        first = sorted(errors.items())[0][1]
-        raise DflashError(f"{len(errors)} of {len(procs)} extract workers failed; first: {first.strip()}")
-    return [results[i] for i in sorted(results)]
+    A failed worker leaves the others to finish (and commit) their shards; a rerun redoes the rest.
+    """
+    return launch(_worker_main, [(cfg.to_dict(), spec) for spec in specs], what="extract worker",
+                  on_event=progress.update, stop_all_on_error=False)
 
 
 def run(cfg: Any) -> dict[str, Any]:
@@ -109,9 +69,8 @@ def run(cfg: Any) -> dict[str, Any]:
     _report_bad_rows(rows, cfg.strict)
     header = build_header(cfg, model_config, tokenizer, template, rows)
     store = Store.create_or_open(cfg.out, header)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ["LOCAL_RANK"]) if world > 1 and "LOCAL_RANK" in os.environ else None
+    ranks = ranks_from_env()
+    rank, local_rank = ranks.rank, (ranks.local_rank if ranks.world > 1 else None)
     devices = resolve_devices(cfg.gpus, local_rank)
     plan = header["shard_plan"]
     committed = set(store.committed_ids())

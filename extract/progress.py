@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any
+
+from ..runtime import Progress as Display
 
 __all__ = ["Progress", "summarise", "format_summary"]
 
@@ -14,23 +15,13 @@ _LOG_EVERY_S = 10.0
 
 
 class Progress:
-    """Counts rows, tokens and bytes as workers report them; a tqdm bar on a terminal, periodic log lines otherwise."""
+    """Counts rows, tokens and bytes as workers report them, shown with rate and ETA (see runtime.Progress)."""
 
     def __init__(self, total_rows: int, *, show: bool = True) -> None:
         self.total_rows = total_rows
-        self.rows = 0
-        self.samples = 0
-        self.tokens = 0
-        self.bytes = 0
-        self.shards = 0
+        self.rows = self.samples = self.tokens = self.bytes = self.shards = 0
         self.t0 = time.perf_counter()
-        self._last_log = self.t0
-        self._bar = None
-        self.show = show
-        if show and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_rows, unit="row", dynamic_ncols=True, desc="extract")
+        self.display = Display(total_rows, unit="row", desc="extract", show=show, every_s=_LOG_EVERY_S, logger=log)
 
     def update(self, event: dict[str, Any]) -> None:
         """Fold one worker event (batch, dropped, shard) into the totals and refresh the display."""
@@ -46,30 +37,13 @@ class Progress:
             self.shards += 1
             self.bytes += int(event.get("bytes", 0))
         self.rows += rows
-        self._show(rows)
-
-    def _show(self, rows: int) -> None:
-        if not self.show:
-            return
         elapsed = max(1e-9, time.perf_counter() - self.t0)
-        tok_s = self.tokens / elapsed
-        if self._bar is not None:
-            self._bar.update(rows)
-            self._bar.set_postfix_str(f"{tok_s:,.0f} tok/s {self.samples / elapsed:,.1f} samples/s {self.bytes / 1e9:.2f} GB", refresh=False)
-            return
-        now = time.perf_counter()
-        if now - self._last_log >= _LOG_EVERY_S:
-            self._last_log = now
-            left = self.total_rows - self.rows
-            eta = left / (self.rows / elapsed) if self.rows else float("nan")
-            log.info(
-                "%d/%d rows, %d shards, %.0f tok/s, %.1f samples/s, %.2f GB written, ETA %.0f s",
-                self.rows, self.total_rows, self.shards, tok_s, self.samples / elapsed, self.bytes / 1e9, eta,
-            )
+        self.display.update(rows, detail=f"{self.shards} shards, {self.tokens / elapsed:,.0f} tok/s, "
+                                         f"{self.samples / elapsed:,.1f} samples/s, {self.bytes / 1e9:.2f} GB written")
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        """Close the display."""
+        self.display.close()
 
 
 def summarise(store: Any, worker_results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..atomic import append_lines, repair_torn_tail
 from ..conversations import message
 from ..errors import ConfigError, InputError
+from ..runtime import Progress as Display
 from .prompts import Prompt, read_prompts
 
 if TYPE_CHECKING:
@@ -104,32 +104,20 @@ def _check_identity(cfg: "GenerateConfig", out: Path) -> None:
 
 
 class _Progress:
-    """A tqdm bar on a terminal; plain log lines every 30 s otherwise. Both show prompts done and tokens/s."""
+    """Prompts answered and tokens/s, shown with rate and ETA (see runtime.Progress)."""
 
     def __init__(self, total: int) -> None:
-        self.total, self.done, self.tokens = total, 0, 0
-        self.start = self.last_log = time.perf_counter()
-        self.bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="prompt", desc="generate", dynamic_ncols=True)
+        self.tokens = 0
+        self.start = time.perf_counter()
+        self.display = Display(total, unit="prompt", desc="generate", every_s=_LOG_EVERY_S, logger=log)
 
     def update(self, prompts: int, tokens: int) -> None:
-        self.done += prompts
         self.tokens += tokens
-        now = time.perf_counter()
-        rate = self.tokens / max(now - self.start, 1e-9)
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
-            self.bar.update(prompts)
-        elif now - self.last_log >= _LOG_EVERY_S or self.done == self.total:
-            self.last_log = now
-            log.info("generate: %d/%d prompts, %d tokens, %.1f tok/s", self.done, self.total, self.tokens, rate)
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.display.update(prompts, detail=f"{self.tokens:,} tokens, {rate:,.1f} tok/s")
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.display.close()
 
 
 def _append(out: Path, records: list[dict[str, Any]]) -> None:

@@ -151,3 +151,34 @@ def test_tiny_targets_load_offline_and_render_chat(arch, request):
     assert len(out.hidden_states) == model.config.num_hidden_layers + 1
     # layers must be distinguishable, or a layer-offset bug in feature capture would go unseen
     assert not torch.allclose(out.hidden_states[2], out.hidden_states[3], atol=1e-2)
+
+
+@pytest.mark.parametrize("command,cls", [("extract", "ExtractConfig"), ("train", "TrainConfig"),
+                                         ("eval", "EvalConfig"), ("generate", "GenerateConfig"),
+                                         ("demo", "DemoConfig")])
+def test_every_option_is_its_config_field(command, cls):
+    # One place for an option: the config field's default, choices and help are what click shows and uses.
+    import dataclasses
+
+    from dflash import config
+
+    fields = {f.name: f for f in dataclasses.fields(getattr(config, cls))}
+    params = {p.name: p for p in cli.commands[command].params if p.name not in ("config", "as_json")}
+    assert set(params) == set(fields)
+    for name, field in fields.items():
+        p, meta = params[name], field.metadata
+        assert meta["help"] and p.help == meta["help"], name
+        if field.default is not dataclasses.MISSING and field.type != "bool":
+            expected = meta["cli_default"] or field.default
+            assert p.default == expected, name
+            if meta["choices"]:
+                assert list(p.type.choices) == list(meta["choices"]), name
+        assert p.required == (field.default is dataclasses.MISSING), name
+    # Parsing the defaults gives the dataclass's own defaults (layers: auto -> None).
+    from dflash.cli import make_config
+
+    required = {n: ("x",) if str(f.type).startswith("tuple[str") else "x" for n, f in fields.items()
+                if f.default is dataclasses.MISSING}
+    opts = {n: (p.default if p.default is not None else None) for n, p in params.items() if n not in required}
+    made = make_config(getattr(config, cls), {**opts, **required})
+    assert made == getattr(config, cls)(**required)

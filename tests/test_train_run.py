@@ -188,11 +188,10 @@ def test_two_gloo_processes_under_torchrun_or_our_launcher_equal_one_process_acc
     assert [x for _, x in b] == pytest.approx([x for _, x in a], rel=1e-5)
     assert json.loads((two / "config.json").read_text())["resolved"]["world_size"] == 2
     # Our own launcher (what `--gpus 5,6,7` uses) runs the same ranks.
-    from dflash.train.dist import launch
-    from dflash.train.loop import train_rank
+    from dflash.train import launch_ranks
 
     three = tmp_path / "three"
-    launch(train_rank, (TrainConfig(**opts(store, tiny_qwen3, three, **kw)),), 2)
+    launch_ranks(TrainConfig(**opts(store, tiny_qwen3, three, **kw)), 2)
     assert losses(three) == b
 
 

@@ -1,13 +1,25 @@
 """dflash.train: the objective, the data plan and its streaming, the training loop, checkpoints, evaluation."""
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
 
-__all__ = ["run"]
+__all__ = ["run", "launch_ranks"]
+
+
+def _rank_main(cfg: "TrainConfig", report: Any) -> None:
+    from .loop import train_rank
+
+    train_rank(cfg)
+
+
+def launch_ranks(cfg: "TrainConfig", world: int) -> None:
+    """Train in `world` spawned processes (ranks 0..world-1, gloo or NCCL), as torchrun would start them."""
+    from ..runtime import launch
+
+    launch(_rank_main, [(cfg,)] * world, what="training", dist_env=True)
 
 
 def run(cfg: "TrainConfig") -> None:
@@ -16,14 +28,14 @@ def run(cfg: "TrainConfig") -> None:
     torch is imported only now, so `dflash --help` stays fast.
     """
     from ..config import resolve_devices
-    from .dist import launch
+    from ..runtime import ranks_from_env
     from .loop import train_rank
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or another launcher) made the processes
+    if ranks_from_env().launched:  # torchrun (or another launcher) made the processes
         train_rank(cfg)
         return
     devices = resolve_devices(cfg.gpus)
     if len(devices) == 1:
         train_rank(cfg)
         return
-    launch(train_rank, (cfg,), len(devices))
+    launch_ranks(cfg, len(devices))

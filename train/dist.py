@@ -1,20 +1,18 @@
-"""Process layout of `dflash train`: one process per GPU (spawned here or by torchrun), gloo on CPU, collectives."""
+"""This rank of `dflash train` (one process per GPU, started by torchrun or `runtime.launch`): device, gloo or NCCL
+group, and collectives that are no-ops in a world of one."""
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..config import resolve_devices
-from ..errors import DflashError
+from ..runtime import ranks_from_env, setup_logging
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Dist", "launch"]
+__all__ = ["Dist"]
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +31,14 @@ class Dist:
         import torch
         import torch.distributed as dist
 
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        local = int(os.environ.get("LOCAL_RANK", rank))
+        ranks = ranks_from_env()
+        rank, world = ranks.rank, ranks.world
         devices = resolve_devices(gpus)
-        device = torch.device(devices[local % len(devices)])
+        device = torch.device(devices[(ranks.local_rank or 0) % len(devices)])
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        if world > 1:
+            setup_logging(logging.getLogger().getEffectiveLevel(), rank)  # rank 0 alone prints progress
         if world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
         return cls(rank, world, device)
@@ -89,61 +89,3 @@ class Dist:
                 # exception", seen once in CI).
                 dist.barrier()
                 dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(fn: Callable[..., Any], args: tuple, rank: int, world: int, port: int, errors: Any, level: int) -> None:
-    logging.basicConfig(level=level if rank == 0 else max(level, logging.WARNING),
-                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    try:
-        fn(*args)
-    except DflashError as e:
-        errors.put((rank, type(e).__name__, str(e)))
-        raise SystemExit(2)
-
-
-def launch(fn: Callable[..., Any], args: tuple, world: int) -> None:
-    """Run fn(*args) in `world` spawned processes (ranks 0..world-1); re-raise the first DflashError of any."""
-    import multiprocessing as mp
-
-    from .. import errors as errors_mod
-
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    port = _free_port()
-    level = logging.getLogger().getEffectiveLevel()
-    procs = [ctx.Process(target=_child, args=(fn, args, r, world, port, errors, level), daemon=False)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    failed = None
-    try:
-        while any(p.is_alive() for p in procs):
-            bad = [p for p in procs if p.exitcode not in (None, 0)]
-            if bad:
-                failed = bad[0]
-                break
-            time.sleep(0.2)
-        failed = failed or next((p for p in procs if p.exitcode not in (None, 0)), None)
-    finally:
-        if failed is not None or any(p.is_alive() for p in procs):
-            time.sleep(1.0)  # let the failing rank's message arrive before its peers are stopped
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-        for p in procs:
-            p.join()
-    if failed is not None:
-        if not errors.empty():
-            rank, kind, message = errors.get()
-            cls = getattr(errors_mod, kind, DflashError)
-            raise cls(message)
-        raise DflashError(f"training process {procs.index(failed)} of {world} died with exit code {failed.exitcode}; "
-                          "see its log above, then rerun with --resume")

@@ -10,6 +10,7 @@ from ..errors import CorruptShard, InputError, ManifestMismatch
 if TYPE_CHECKING:
     import torch
 
+    from ..config import EvalConfig
     from ..drafter.model import DFlashDrafter, DrafterConfig
     from ..drafter.target_head import TargetHead
     from ..storage import Store
@@ -120,9 +121,7 @@ def evaluate_shards(
     }
 
 
-def run_eval(drafter: str, store_url: str, *, target: str | None = None, shards: str = "val",
-             val_fraction: float | None = None, batch_tokens: int = 16384, anchors: int = 512,
-             skip_corrupt: bool = False) -> dict[str, Any]:
+def run_eval(cfg: "EvalConfig") -> dict[str, Any]:
     """Return the evaluation of a drafter (run, checkpoint or export folder) on a store's held-out shards."""
     import torch
 
@@ -132,37 +131,39 @@ def run_eval(drafter: str, store_url: str, *, target: str | None = None, shards:
     from .checkpoint import resolve_drafter
     from .plan import split_shards
 
-    folder, record = resolve_drafter(drafter)
-    store = Store.open(store_url)
+    folder, record = resolve_drafter(cfg.drafter)
+    batch_tokens, anchors = cfg.batch_tokens, cfg.anchors  # a run's own values win below
+    store = Store.open(cfg.store)
     model = load_drafter(folder, dtype=torch.float32)
-    check_compatible(model.config, store.header, str(folder), store_url)
+    check_compatible(model.config, store.header, str(folder), cfg.store)
     committed = set(store.committed_ids())
-    if shards == "all":
+    if cfg.shards == "all":
         ids, split = sorted(committed), "all committed shards"
-    elif record is not None and val_fraction is None:
+    elif record is not None and cfg.val_fraction is None:
         ids, split = list(record["resolved"]["val_shards"]), f"held-out shards of run {folder.parent.parent}"
         batch_tokens, anchors = record["config"]["batch_tokens"], record["config"]["anchors"]
-    elif val_fraction:
-        ids, split = split_shards(store.num_shards, val_fraction)[1], f"held-out shards of --val-fraction {val_fraction}"
+    elif cfg.val_fraction:
+        ids = split_shards(store.num_shards, cfg.val_fraction)[1]
+        split = f"held-out shards of --val-fraction {cfg.val_fraction}"
     else:
         raise InputError(
-            f"--drafter {drafter}: an export carries no record of its run's held-out shards; pass --val-fraction F "
-            "(the value used in training) or --shards all"
+            f"--drafter {cfg.drafter}: an export carries no record of its run's held-out shards; pass "
+            "--val-fraction F (the value used in training) or --shards all"
         )
     if not ids:
-        raise InputError(f"--drafter {drafter}: its run held out no shards (--val-fraction 0); pass --shards all to "
-                         "evaluate on every committed shard (the ones it trained on)")
+        raise InputError(f"--drafter {cfg.drafter}: its run held out no shards (--val-fraction 0); pass --shards all "
+                         "to evaluate on every committed shard (the ones it trained on)")
     missing = sorted(set(ids) - committed)
     if missing:
-        raise InputError(f"--store {store_url}: the {split} {missing} are not committed (committed: "
+        raise InputError(f"--store {cfg.store}: the {split} {missing} are not committed (committed: "
                          f"{len(committed)} of {store.num_shards}); finish the store with `dflash extract`")
-    head_dir = target or (record or {}).get("config", {}).get("target") or store.header["target"]["path"]
+    head_dir = cfg.target or (record or {}).get("config", {}).get("target") or store.header["target"]["path"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device)
     head = load_target_head(head_dir, dtype=torch.float32, device=device)
     out = evaluate_shards(model, head, store, ids, batch_tokens=batch_tokens, anchors=anchors, device=device,
-                          attention="flex" if device.type == "cuda" else "sdpa", skip_corrupt=skip_corrupt)
-    out.update(drafter=str(folder), store=store_url, split=split)
+                          attention="flex" if device.type == "cuda" else "sdpa", skip_corrupt=cfg.skip_corrupt)
+    out.update(drafter=str(folder), store=cfg.store, split=split)
     return out
 
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 import io
 import json
 import logging
-import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from ..atomic import write_atomic
 from ..errors import DflashError
+from ..runtime import Progress
 
 __all__ = ["METRICS_FILE", "PLOT_FILE", "require_tensorboard", "read_metrics", "truncate_metrics", "RunLog", "plot_run"]
 
@@ -57,33 +56,23 @@ def truncate_metrics(run: str | os.PathLike, step: int) -> int:
     return len(records) - len(keep)
 
 
-def _fmt_eta(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    s = int(seconds)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
 class RunLog:
     """Rank 0's sink for step records: metrics.jsonl, a tqdm bar on a terminal or log lines, TensorBoard."""
 
     def __init__(self, run: str | os.PathLike, *, total_steps: int, start_step: int, tensorboard: bool) -> None:
         self.run = Path(run)
         self.file = open(self.run / METRICS_FILE, "a", encoding="utf-8")
-        self.total = total_steps
-        self.bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
+        self.progress = Progress(total_steps, unit="step", desc="train", initial=start_step, logger=log)
         self.tb = require_tensorboard()(log_dir=str(self.run / "tensorboard")) if tensorboard else None
+
+    @property
+    def total(self) -> int:
+        """Return the run's (estimated) length in steps."""
+        return self.progress.total
 
     def set_total(self, total: int) -> None:
         """Take a new estimate of the run's length (follow mode learns it as shards arrive)."""
-        self.total = total
-        if self.bar is not None:
-            self.bar.total = total
-            self.bar.refresh()
+        self.progress.set_total(total)
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record to metrics.jsonl (flushed, so a killed run keeps what it logged)."""
@@ -99,12 +88,10 @@ class RunLog:
                 self.tb.add_scalar(f"{record.get('split', 'train')}/{key}", record[key], step)
         text = (f"loss {record['loss']:.4f} acc {record['acc']:.3f} tau {record['tau_hat']:.3f} "
                 f"lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} tok/s wait {record['data_wait']:.0%}")
-        if self.bar is not None:
-            self.bar.n = step
-            self.bar.set_postfix_str(text, refresh=True)
-        else:
-            log.info("step %d/%d epoch %d: %s gnorm %.3f prefetch %d ETA %s", step, self.total, record["epoch"], text,
-                     record["grad_norm"], record["prefetch_depth"], _fmt_eta(record["eta_s"]))
+        if self.progress.bar is None:
+            text = (f"epoch {record['epoch']}: {text} gnorm {record['grad_norm']:.3f} "
+                    f"prefetch {record['prefetch_depth']}")
+        self.progress.update(to=step, detail=text, force=True)
 
     def validation(self, record: dict[str, Any]) -> None:
         """Record a validation pass."""
@@ -117,15 +104,12 @@ class RunLog:
 
     def waiting(self, text: str) -> None:
         """Show that training has caught up with the store and waits for shards."""
-        if self.bar is not None:
-            self.bar.set_description_str(text)
-        log.info("%s", text)
+        self.progress.note(text)
 
     def close(self) -> None:
         """Close the file, the bar and TensorBoard."""
         self.file.close()
-        if self.bar is not None:
-            self.bar.close()
+        self.progress.close()
         if self.tb is not None:
             self.tb.close()
 

@@ -1,0 +1,213 @@
+"""How dflash runs as processes: one log format, one reading of the launcher's environment, one spawn launcher with
+one error protocol, and one progress display (a bar with rate and ETA on a terminal, periodic lines in a log)."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from . import errors as errors_mod
+from .errors import DflashError
+
+__all__ = ["LOG_FORMAT", "setup_logging", "Ranks", "ranks_from_env", "launch", "Progress", "format_eta"]
+
+log = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s {rank}%(name)s: %(message)s"
+LOG_DATE = "%H:%M:%S"
+
+# report(event): how a process tells the parent (or the in-process caller) about progress.
+Report = Callable[[dict[str, Any]], None]
+
+
+def setup_logging(level: int | str, rank: int | None = None) -> None:
+    """Configure the root logger: one format for every process; ranks other than 0 log warnings and worse only."""
+    if isinstance(level, str):
+        level = getattr(logging, level.upper())
+    if rank:
+        level = max(level, logging.WARNING)
+    fmt = LOG_FORMAT.format(rank=f"rank{rank} " if rank is not None else "")
+    logging.basicConfig(level=level, format=fmt, datefmt=LOG_DATE, force=True)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among its peers: torchrun's RANK/WORLD_SIZE/LOCAL_RANK, or a world of one."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int | None = None  # None: not started by a launcher
+
+    @property
+    def launched(self) -> bool:
+        """Return True if a launcher (torchrun or ours) started this process as one of several ranks."""
+        return self.local_rank is not None
+
+
+def ranks_from_env(environ: dict[str, str] | None = None) -> Ranks:
+    """Return the Ranks the environment gives (RANK and WORLD_SIZE both set), else a world of one."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return Ranks()
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    return Ranks(rank, world, int(env.get("LOCAL_RANK", rank)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(target: Callable[..., Any], args: tuple, rank: int, env: dict[str, str], events: Any, level: int) -> None:
+    """Entry point of a spawned process: run target(*args, report), send its result or its error to the parent."""
+    os.environ.update(env)
+    setup_logging(level, rank if "RANK" in env else None)
+
+    def report(event: dict[str, Any]) -> None:
+        events.put({"kind": "event", "rank": rank, "event": event})
+
+    try:
+        result = target(*args, report)
+    except DflashError as e:
+        events.put({"kind": "error", "rank": rank, "type": type(e).__name__, "message": str(e)})
+        raise SystemExit(e.exit_code)
+    except BaseException as e:
+        traceback.print_exc()
+        last = traceback.format_exception_only(type(e), e)[-1].strip()
+        events.put({"kind": "error", "rank": rank, "type": None, "message": last})
+        raise SystemExit(1)
+    events.put({"kind": "done", "rank": rank, "result": result})
+
+
+def launch(target: Callable[..., Any], args: Sequence[tuple], *, what: str, dist_env: bool = False,
+           on_event: Report | None = None, stop_all_on_error: bool = True) -> list[Any]:
+    """Return target(*args[i], report)'s result of each of len(args) spawned processes, in rank order.
+
+    dist_env: set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT as torchrun does. Events a process reports go
+    to on_event. The first failure is raised here: a DflashError as its own class and message, anything else as a
+    DflashError naming the process (its traceback is on stderr above). With stop_all_on_error the others are
+    stopped then (peers in a collective would wait forever); otherwise they finish their work first.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # CUDA cannot be forked
+    events = ctx.Queue()
+    world, port = len(args), _free_port()
+    level = logging.getLogger().getEffectiveLevel()
+    procs = []
+    for rank, a in enumerate(args):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)} if dist_env else {}
+        procs.append(ctx.Process(target=_child, args=(target, a, rank, env, events, level), daemon=False))
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failed: dict[int, dict[str, Any]] = {}
+    finished = False
+    try:
+        while len(results) + len(failed) < world and not (failed and stop_all_on_error):
+            try:
+                ev = events.get(timeout=0.5)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in results and r not in failed and p.exitcode is not None and events.empty():
+                        failed[r] = {"type": None, "message": f"exit code {p.exitcode}"}
+                continue
+            if ev["kind"] == "done":
+                results[ev["rank"]] = ev["result"]
+            elif ev["kind"] == "error":
+                failed[ev["rank"]] = ev
+            elif on_event is not None:
+                on_event(ev["event"])
+        finished = True
+    finally:
+        running = [p for r, p in enumerate(procs) if r not in results and r not in failed and p.is_alive()]
+        if running and (stop_all_on_error or not finished):  # a peer failed, or we were interrupted
+            time.sleep(0.5)
+            for p in running:
+                if p.is_alive():
+                    p.terminate()
+        for p in procs:
+            p.join()
+    if failed:
+        rank, ev = sorted(failed.items())[0]
+        others = f" ({len(failed)} of {world} {what} processes failed)" if len(failed) > 1 else ""
+        cls = getattr(errors_mod, ev["type"], DflashError) if ev["type"] else None
+        if cls is not None and isinstance(cls, type) and issubclass(cls, DflashError):
+            raise cls(ev["message"] + others)
+        raise DflashError(f"{what} process {rank} of {world} failed with {ev['message']}{others}; its log is above; "
+                          "rerun the same command to resume")
+    return [results[r] for r in range(world)]
+
+
+def format_eta(seconds: float) -> str:
+    """Return seconds as H:MM:SS ("?" when unknown)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class Progress:
+    """Progress of long work: a tqdm bar (rate, ETA) on a terminal, else a log line at most every `every_s` seconds
+    (or whenever asked), with done/total, rate and ETA. Only the process that shows it creates one with show=True."""
+
+    def __init__(self, total: int, *, unit: str, desc: str, show: bool = True, every_s: float = 10.0,
+                 initial: int = 0, logger: logging.Logger | None = None) -> None:
+        self.total, self.unit, self.desc, self.every_s = total, unit, desc, every_s
+        self.done = self.start_done = initial
+        self.t0 = self.last = time.perf_counter()
+        self.show = show
+        self.log = logger or log
+        self.bar = None
+        if show and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit=unit, desc=desc, dynamic_ncols=True, file=sys.stderr)
+
+    def eta(self) -> float:
+        """Return the seconds left at this run's rate so far (inf before anything was done)."""
+        rate = (self.done - self.start_done) / max(time.perf_counter() - self.t0, 1e-9)
+        return (self.total - self.done) / rate if rate > 0 else float("inf")
+
+    def set_total(self, total: int) -> None:
+        """Take a new estimate of the total."""
+        self.total = total
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
+    def update(self, n: int = 0, *, to: int | None = None, detail: str = "", force: bool = False) -> None:
+        """Advance by n (or to `to`) and show `detail` (e.g. "1,234 tok/s"): on the bar, or in a due log line."""
+        self.done = to if to is not None else self.done + n
+        if not self.show:
+            return
+        if self.bar is not None:
+            self.bar.n = self.done
+            self.bar.set_postfix_str(detail, refresh=True)
+            return
+        now = time.perf_counter()
+        if force or now - self.last >= self.every_s or self.done >= self.total:
+            self.last = now
+            self.log.info("%s: %d/%d %ss, %s%sETA %s", self.desc, self.done, self.total, self.unit, detail,
+                          ", " if detail else "", format_eta(self.eta()))
+
+    def note(self, text: str) -> None:
+        """Show a state that is not progress (e.g. waiting for data)."""
+        if self.bar is not None:
+            self.bar.set_description_str(text)
+        if self.show:
+            self.log.info("%s", text)
+
+    def close(self) -> None:
+        """Close the bar."""
+        if self.bar is not None:
+            self.bar.close()

@@ -1,50 +1,34 @@
-"""Benchmark of `dflash extract` on one GPU: bare forward vs the pipeline without and with disk, and the disk itself.
+"""Benchmark of `dflash extract` as a user runs it, beside the truncated forward over the same token batches.
 
-    source bench/device_env.sh && python3 bench/extract.py [--dir DIR] [--tokens 473000]
+    source bench/device_env.sh && python3 bench/extract.py --work /tmp/bx [--store-dir /dev/shm/bx] [--codec blosc]
 
-A random-init Qwen3-8B-shaped target (built on the GPU in bf16), synthetic conversations with a realistic length
-spread (the issue's 300 conversations, ~473K tokens), the default shard plan and the same token batches throughout:
-  (a) bare `model.model` forward (all 36 layers + final norm, nothing captured), length-sorted batches;
-  (b) the extract pipeline (truncated forward, pinned host copies on a side stream, writer thread) whose sink drops
-      the features after the host copy;
-  (c) the full pipeline into a real store on local disk with the default codec (blosc), commits included;
-  (d) the disk's raw write bandwidth: one large file written and fsynced in the same folder.
-Prints tokens/s, bytes/s, padding, disk wait and the ratios (b)/(a) and (c)/(d).
+One run: a random-init Qwen3-8B-shaped target saved as a Hugging Face folder (built once in --work), a
+conversations file of mixed lengths (193-4,001 tokens, >= 1.5M tokens by default), then
+  (1) `python -m dflash.cli extract --model M --data D --out STORE --gpus 0` as a subprocess, after `sync` and a
+      page-cache drop (where allowed): its wall time, and from its summary the model load, the time to the first
+      commit and the steady tok/s (first forward to last commit, every byte on disk);
+  (2) the truncated forward (the target up to its last captured layer, nothing copied) over exactly the token
+      batches the command ran (same tokenizer, template, shard plan and batch packing), in this process;
+  (3) the raw write bandwidth of the store's folder (one large file, fsynced), for when the disk is the limit.
+Prints each figure and the ratios the issue asks for: steady / forward, (tokens / (wall - load)) / forward, and the
+command's bytes/s over the raw disk write.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from dflash.extract.capture import TargetRunner, pad_batch
-from dflash.extract.pipeline import DiscardSink, FeaturePipeline, Sample
-from dflash.extract.plan import default_shard_size, pack_batches, padding_fraction, shard_ranges
-from dflash.extract.worker import WorkerSpec, fill_shards
-from dflash.facts import build_target_layer_ids
-from dflash.storage import Store
 from dflash.testing import QWEN3_8B_CONFIG
-
-
-def synthetic_samples(total_tokens: int, max_length: int, seed: int = 0) -> list[Sample]:
-    """Return conversations of lognormal lengths (median ~1,300 tokens, clipped to max_length) summing to ~total."""
-    rng = np.random.default_rng(seed)
-    out: list[Sample] = []
-    n = 0
-    while n < total_tokens:
-        t = int(np.clip(rng.lognormal(np.log(1300), 0.7), 64, max_length))
-        ids = rng.integers(0, 151643, t, dtype=np.int32)
-        mask = np.zeros(t, dtype=bool)
-        mask[t // 3 :] = True  # an answer after a prompt
-        out.append(Sample(len(out), ids, mask))
-        n += t
-    return out
-
 
 # --smoke: the same code path on the CPU with a small Qwen3, to check the script before spending GPU time.
 SMOKE_CONFIG = {**QWEN3_8B_CONFIG, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8,
@@ -69,26 +53,128 @@ def build_target(device: torch.device, config: dict):
     return model.eval()
 
 
-def bare_forward(model, shards: list[list[Sample]], batch_tokens: int, device) -> tuple[float, int, int]:
-    """Return (seconds, real tokens, padded tokens) of model.model over the same length-sorted batches."""
-    real = padded = 0
+def synthetic_samples(total_tokens: int, max_length: int, seed: int = 0) -> list:
+    """Return pre-tokenized samples of lognormal lengths (for bench/topology.py), summing to ~total_tokens."""
+    from dflash.extract.pipeline import Sample
+
+    rng = np.random.default_rng(seed)
+    out: list = []
+    n = 0
+    while n < total_tokens:
+        t = int(np.clip(rng.lognormal(np.log(1300), 0.7), 64, max_length))
+        ids = rng.integers(0, 151643, t, dtype=np.int32)
+        mask = np.zeros(t, dtype=bool)
+        mask[t // 3:] = True
+        out.append(Sample(len(out), ids, mask))
+        n += t
+    return out
+
+
+def make_target(folder: Path, device: torch.device, config: dict) -> None:
+    """Write a random-init target of `config` with the test tokenizer (one token per character) to folder, once."""
+    from dflash.testing import build_tokenizer
+
+    if (folder / "config.json").is_file():
+        return
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = build_target(device, config)
+    model.save_pretrained(tmp)
+    build_tokenizer("chatml").save_pretrained(tmp)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    os.rename(tmp, folder)
+
+
+def make_conversations(path: Path, total_tokens: int, seed: int = 0) -> None:
+    """Write conversations of lognormal lengths (193-4,001 tokens: a prompt, then a twice as long answer), once."""
+    if path.is_file():
+        return
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz      "))
+    lines, n = [], 0
+    while n < total_tokens:
+        t = int(np.clip(rng.lognormal(np.log(1300), 0.7), 193, 4001)) - 30  # ~30 template tokens
+        text = "".join(rng.choice(letters, t))
+        lines.append(json.dumps({"messages": [{"role": "user", "content": text[: t // 3]},
+                                              {"role": "assistant", "content": text[t // 3:]}]}))
+        n += t + 30
+    path.write_text("\n".join(lines) + "\n")
+
+
+def settle() -> bool:
+    """Flush dirty pages and drop the page cache where allowed; return True if the cache was dropped."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_command(model: Path, data: Path, store: Path, gpus: str, codec: str, log: Path) -> dict:
+    """Return the wall time and the summary figures of `dflash extract` run as a subprocess."""
+    shutil.rmtree(store, ignore_errors=True)
+    cmd = [sys.executable, "-m", "dflash.cli", "extract", "--model", str(model), "--data", str(data),
+           "--out", str(store), "--gpus", gpus, "--codec", codec]
+    dropped = settle()
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    log.write_text(done.stderr)
+    if done.returncode != 0:
+        raise SystemExit(f"`{' '.join(cmd)}` failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    text = done.stderr
+    tokens = int(re.search(r"samples, ([\d,]+) tokens", text).group(1).replace(",", ""))
+    nbytes = float(re.search(r"tokens\), ([\d.]+) GB", text).group(1)) * 1e9
+    load = float(re.search(r"model loaded in ([\d.]+) s", text).group(1))
+    first = re.search(r"first commit ([\d.]+) s after that", text)
+    steady = float(re.search(r"([\d,]+) tok/s to disk", text).group(1).replace(",", ""))
+    forward = float(re.search(r"([\d,]+) tok/s forward", text).group(1).replace(",", ""))
+    return {"command": " ".join(cmd), "wall_s": wall, "tokens": tokens, "bytes": nbytes, "load_s": load,
+            "first_commit_s": float(first.group(1)) if first else None, "steady_tok_s": steady,
+            "forward_side_tok_s": forward, "page_cache_dropped": dropped}
+
+
+def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.device) -> dict:
+    """Return tokens/s of the truncated forward alone over the batches the command ran (its shard plan and packing)."""
+    from transformers import AutoTokenizer
+
+    from dflash.config import ExtractConfig
+    from dflash.extract.capture import TargetRunner, load_target, pad_batch
+    from dflash.extract.data import read_rows
+    from dflash.extract.plan import pack_batches, shard_ranges
+    from dflash.extract.template import ChatEncoder, load_template
+    from dflash.extract.worker import prepare_shard
+    from dflash.storage import Store
+
+    cfg = ExtractConfig(model=str(model_dir), data=(str(data),), out=str(store))
+    header = Store.open(str(store)).header
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    encoder = ChatEncoder(tokenizer, load_template(tokenizer, None), cfg.max_length)
+    rows = read_rows(cfg.data)
+    batches = []
+    for a, b in shard_ranges(len(rows), header["shard_plan"]["rows_per_shard"]):
+        samples, _ = prepare_shard(rows[a:b], encoder, cfg.min_loss_tokens, False)
+        lengths = [len(s.input_ids) for s in samples]
+        batches += [pad_batch([samples[i].input_ids for i in idx], 0) for idx in pack_batches(lengths, cfg.batch_tokens)]
+    runner = TargetRunner(load_target(cfg.model, device, torch.bfloat16), header["layer_ids"], check=False)
+    tokens = sum(sum(lens) for _, lens in batches)
+    settle()
     _sync(device)
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        for samples in shards:
-            lengths = [len(s.input_ids) for s in samples]
-            for idx in pack_batches(lengths, batch_tokens):
-                ids, _ = pad_batch([samples[i].input_ids for i in idx], 0)
-                model.model(input_ids=ids.to(device, non_blocking=True), use_cache=False)
-                real += sum(lengths[i] for i in idx)
-                padded += ids.numel()
+    for ids, _ in batches:  # cold, like the command's first forward: no warm-up excluded on either side
+        runner.hidden(ids.to(device, non_blocking=True))
     _sync(device)
-    return time.perf_counter() - t0, real, padded
+    sec = time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": sec, "tok_s": tokens / sec, "batches": len(batches)}
 
 
-def disk_write_bandwidth(folder: str, nbytes: int) -> float:
+def disk_write_bandwidth(folder: Path, nbytes: int) -> float:
     """Return bytes/s of writing nbytes of incompressible data to one file in folder, fsync included."""
-    path = os.path.join(folder, "raw-write.bin")
+    path = folder / "raw-write.bin"
     block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
     t0 = time.perf_counter()
     with open(path, "wb", buffering=0) as f:
@@ -97,111 +183,68 @@ def disk_write_bandwidth(folder: str, nbytes: int) -> float:
             done += f.write(block)
         os.fsync(f.fileno())
     seconds = time.perf_counter() - t0
-    os.remove(path)
+    path.unlink()
     return done / seconds
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", default="bench-extract-out", help="folder on the local disk for the store and (d)")
-    ap.add_argument("--tokens", type=int, default=473_000)
-    ap.add_argument("--batch-tokens", type=int, default=32768)
-    ap.add_argument("--max-length", type=int, default=4096)
-    ap.add_argument("--raw-gb", type=float, default=8.0, help="size of the raw disk write (d)")
+    ap.add_argument("--work", default="bench-extract-out", help="folder for the target, the data and the logs")
+    ap.add_argument("--store-dir", default=None, help="folder for the store [default: --work]; /dev/shm for RAM")
+    ap.add_argument("--tokens", type=int, default=1_550_000)
+    ap.add_argument("--codec", default="blosc", choices=["blosc", "none", "fp8"])
+    ap.add_argument("--raw-gb", type=float, default=8.0, help="size of the raw disk write (3); 0 skips it")
+    ap.add_argument("--keep-store", action="store_true")
     ap.add_argument("--json", default=None, help="also write the figures as JSON here")
     ap.add_argument("--smoke", action="store_true", help="small Qwen3 on the CPU, few tokens: checks the script")
     args = ap.parse_args()
-    device = torch.device("cpu" if args.smoke else "cuda")
+    device = torch.device("cpu" if args.smoke else "cuda:0")
     config = SMOKE_CONFIG if args.smoke else QWEN3_8B_CONFIG
     if args.smoke:
-        args.tokens, args.raw_gb, args.batch_tokens = min(args.tokens, 12_000), min(args.raw_gb, 0.1), 4096
-    os.makedirs(args.dir, exist_ok=True)
-
+        args.tokens, args.raw_gb = min(args.tokens, 30_000), min(args.raw_gb, 0.05)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    store_root = Path(args.store_dir or work)
+    store_root.mkdir(parents=True, exist_ok=True)
+    model, data, store = work / "target", work / "conversations.jsonl", store_root / "store"
     t0 = time.perf_counter()
-    model = build_target(device, config)
-    layer_ids = build_target_layer_ids(config["num_hidden_layers"])
-    H = config["hidden_size"]
-    samples = synthetic_samples(args.tokens, min(args.max_length, args.batch_tokens))
-    mean_len = sum(len(s.input_ids) for s in samples) / len(samples)
-    rows_per_shard = default_shard_size(mean_len, len(layer_ids) * H * 2)
-    ranges = shard_ranges(len(samples), rows_per_shard)
-    shards = [samples[a:b] for a, b in ranges]
-    print(f"target built in {time.perf_counter() - t0:.1f} s; {len(samples)} samples, "
-          f"{sum(len(s.input_ids) for s in samples):,} tokens, {len(shards)} shards of {rows_per_shard} rows", flush=True)
+    make_target(model, device, config)
+    make_conversations(data, args.tokens)
+    print(f"target and {data.stat().st_size / 1e6:.1f} MB of conversations ready in {time.perf_counter() - t0:.1f} s",
+          flush=True)
 
-    # Warm up kernels and the allocator on the first shard (not timed).
-    bare_forward(model, shards[:1], args.batch_tokens, device)
-
-    sec_a, real, padded = bare_forward(model, shards, args.batch_tokens, device)
-    tok_a = real / sec_a
-    pad = 1 - real / padded
-    pad_plan = np.mean([padding_fraction([len(s.input_ids) for s in sh], pack_batches([len(s.input_ids) for s in sh], args.batch_tokens)) for sh in shards])
-    print(f"(a) bare model.model forward: {tok_a:,.0f} tok/s ({sec_a:.1f} s), padding {100 * pad:.2f}%", flush=True)
-
-    runner = TargetRunner(model, layer_ids)  # truncates the model: (a) must run before this
-    # (a2) the truncated forward alone (no gather, no copies): separates depth savings from pipeline overheads.
-    _sync(device)
-    t0 = time.perf_counter()
-    for sh in shards:
-        lengths = [len(s.input_ids) for s in sh]
-        for idx in pack_batches(lengths, args.batch_tokens):
-            ids, _ = pad_batch([sh[i].input_ids for i in idx], 0)
-            runner.hidden(ids.to(device, non_blocking=True))
-    _sync(device)
-    tok_a2 = real / (time.perf_counter() - t0)
-    print(f"(a2) truncated forward to layer {max(layer_ids)}, nothing copied: {tok_a2:,.0f} tok/s", flush=True)
-    pipeline = FeaturePipeline(runner, args.batch_tokens)
-    pipeline.run(shards[0], DiscardSink())  # warm-up of the truncated path
-    _sync(device)
-    t0 = time.perf_counter()
-    wait_b = 0.0
-    for sh in shards:
-        wait_b += pipeline.submit(sh, DiscardSink()).wait_s
-    wait_b += pipeline.drain()
-    _sync(device)
-    sec_b = time.perf_counter() - t0
-    tok_b = real / sec_b
-    print(f"(b) pipeline, features discarded after the host copy: {tok_b:,.0f} tok/s ({sec_b:.1f} s), "
-          f"waited {wait_b:.2f} s", flush=True)
-
-    store_dir = os.path.join(args.dir, "store")
-    shutil.rmtree(store_dir, ignore_errors=True)
-    header = {
-        "kind": "bench", "layer_ids": layer_ids, "hidden_size": H, "codec": "blosc", "feature_dtype": "bfloat16",
-        "shard_plan": {"num_rows": len(samples), "rows_per_shard": rows_per_shard, "num_shards": len(shards)},
-    }
-    store = Store.create_or_open(store_dir, header)
-    spec = WorkerSpec(device=str(device), index=0, header=store.header)
-    t0 = time.perf_counter()
-    result = fill_shards(store, lambda sid: (shards[sid], {"rows": list(ranges[sid])}), pipeline, lambda e: None, spec)
-    sec_c = time.perf_counter() - t0
-    nbytes = sum(store.commit_record(s)["bytes"] for s in store.committed_ids())
-    raw_bytes = real * len(layer_ids) * H * 2
-    tok_c = real / sec_c
-    bps_c = nbytes / sec_c
-    print(f"(c) full pipeline to disk (blosc): {tok_c:,.0f} tok/s ({sec_c:.1f} s), {bps_c / 1e9:.2f} GB/s on disk, "
-          f"{nbytes / real:,.0f} bytes/token (raw bf16 {raw_bytes / real:,.0f}, ratio {raw_bytes / nbytes:.2f}x), "
-          f"waited {result['wait_s']:.2f} s on the writers", flush=True)
-    shutil.rmtree(store_dir, ignore_errors=True)
-
-    bps_d = disk_write_bandwidth(args.dir, int(args.raw_gb * 1e9))
-    print(f"(d) raw disk write + fsync: {bps_d / 1e9:.2f} GB/s", flush=True)
-
+    cmd = run_command(model, data, store, "cpu" if args.smoke else "0", args.codec, work / f"extract-{args.codec}.log")
+    print(f"(1) {cmd['command']}\n    wall {cmd['wall_s']:.1f} s, {cmd['tokens']:,} tokens, {cmd['bytes'] / 1e9:.2f} GB; "
+          f"model load {cmd['load_s']:.1f} s, first commit {cmd['first_commit_s']} s after it; steady "
+          f"{cmd['steady_tok_s']:,.0f} tok/s (forward side {cmd['forward_side_tok_s']:,.0f})", flush=True)
+    fwd = truncated_forward(model, data, store, device)
+    print(f"(2) truncated forward over the same {fwd['batches']} batches: {fwd['tok_s']:,.0f} tok/s "
+          f"({fwd['seconds']:.1f} s)", flush=True)
+    assert fwd["tokens"] == cmd["tokens"], (fwd["tokens"], cmd["tokens"])
+    if not args.keep_store:
+        shutil.rmtree(store, ignore_errors=True)
+    raw = disk_write_bandwidth(store_root, int(args.raw_gb * 1e9)) if args.raw_gb > 0 else float("nan")
+    if args.raw_gb > 0:
+        print(f"(3) raw write + fsync in {store_root}: {raw / 1e9:.2f} GB/s", flush=True)
+    whole = cmd["tokens"] / (cmd["wall_s"] - cmd["load_s"])
     figures = {
-        "tokens": real, "samples": len(samples), "shards": len(shards),
-        "a_tok_s": round(tok_a), "a2_tok_s": round(tok_a2), "b_tok_s": round(tok_b), "c_tok_s": round(tok_c),
-        "c_disk_bytes_s": round(bps_c), "d_disk_bytes_s": round(bps_d),
-        "b_over_a": round(tok_b / tok_a, 3), "b_over_a2": round(tok_b / tok_a2, 3), "c_over_a": round(tok_c / tok_a, 3), "c_bytes_over_d": round(bps_c / bps_d, 3),
-        "padding": round(pad, 4), "padding_plan_mean": round(float(pad_plan), 4),
-        "c_wait_s": round(result["wait_s"], 2), "bytes_per_token": round(nbytes / real), "compression": round(raw_bytes / nbytes, 3),
+        **{k: v for k, v in cmd.items() if k != "command"}, "command": cmd["command"],
+        "forward_tok_s": round(fwd["tok_s"]), "store_dir": str(store_root), "codec": args.codec,
+        "steady_over_forward": round(cmd["steady_tok_s"] / fwd["tok_s"], 3),
+        "whole_minus_load_tok_s": round(whole), "whole_minus_load_over_forward": round(whole / fwd["tok_s"], 3),
+        "whole_tok_s": round(cmd["tokens"] / cmd["wall_s"]),
+        "disk_raw_bytes_s": round(raw) if raw == raw else None,
+        "steady_bytes_over_raw_disk": round(cmd["bytes"] / (cmd["tokens"] / cmd["steady_tok_s"]) / raw, 3)
+        if raw == raw else None,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    print("ratios: (b)/(a) = %.3f, (c)/(a) = %.3f, (c) disk bytes/s / (d) = %.3f, padding %.2f%%"
-          % (figures["b_over_a"], figures["c_over_a"], figures["c_bytes_over_d"], 100 * pad))
+    print("ratios: steady / forward = %.3f; (whole command - model load) / forward = %.3f; steady bytes/s / raw disk "
+          "= %s" % (figures["steady_over_forward"], figures["whole_minus_load_over_forward"],
+                    figures["steady_bytes_over_raw_disk"]))
     print(json.dumps(figures))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,9 @@ def summarise(store: Any, worker_results: list[dict[str, Any]]) -> dict[str, Any
             "tokens_per_s": round(r["tokens"] / r["seconds"], 1) if r.get("seconds") else 0.0,
             "disk_wait_s": r["wait_s"],
             "padding": round(1 - r["tokens"] / r["padded_tokens"], 4) if r.get("padded_tokens") else 0.0,
+            "load_s": r.get("load_s"),
+            "first_commit_s": r.get("first_commit_s"),
+            "steady_tokens_per_s": round(r["tokens"] / r["steady_s"], 1) if r.get("steady_s") else 0.0,
         }
         for r in worker_results
     ]
@@ -99,7 +102,11 @@ def format_summary(s: dict[str, Any], where: str, shown_rows: int = 5) -> str:
         lines.append(f"  dropped {n:,} rows ({reason}): rows {', '.join(map(str, rows[:shown_rows]))}{more}")
     for d in s["devices"]:
         lines.append(
-            f"  {d['device']}: {d['shards']} shards, {d['tokens']:,} tokens, {d['tokens_per_s']:,.0f} tok/s, "
-            f"waited {d['disk_wait_s']:.1f} s on the disk, padding {100 * d['padding']:.2f}%"
+            f"  {d['device']}: {d['shards']} shards, {d['tokens']:,} tokens, {d['tokens_per_s']:,.0f} tok/s forward, "
+            f"{d['steady_tokens_per_s']:,.0f} tok/s to disk (first forward to last commit), waited "
+            f"{d['disk_wait_s']:.1f} s on the disk, padding {100 * d['padding']:.2f}%"
         )
+        if d.get("load_s") is not None:
+            first = f"{d['first_commit_s']:.1f} s" if d.get("first_commit_s") is not None else "none"
+            lines.append(f"  {d['device']}: model loaded in {d['load_s']:.1f} s, first commit {first} after that")
     return "\n".join(lines)

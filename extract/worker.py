@@ -85,6 +85,7 @@ def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Repor
     from .pipeline import FeaturePipeline
     from .template import ChatEncoder, load_template
 
+    t_start = time.perf_counter()
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -95,6 +96,7 @@ def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Repor
     encoder = ChatEncoder(tokenizer, load_template(tokenizer, cfg.chat_template), cfg.max_length)
     model = load_target(cfg.model, device, getattr(torch, cfg.dtype))
     runner = TargetRunner(model, header["layer_ids"])
+    load_s = time.perf_counter() - t_start
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     pipeline = FeaturePipeline(
         runner,
@@ -119,7 +121,7 @@ def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Repor
                 "Free space (or move --out) and rerun the same command to resume"
             ) from None
         raise
-    return result
+    return {**result, "load_s": round(load_s, 3)}
 
 
 def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report, spec: WorkerSpec, *,
@@ -127,30 +129,53 @@ def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report
     """Return this worker's totals after claiming and committing every shard it could get, one claim at a time.
 
     samples_for(shard_id) gives the shard's samples and the commit extra (rows, drops). A shard is committed by
-    the pipeline's writer thread after its last sample, while the device already runs the next shard, so at most
-    two shards are open per worker; a failure aborts them (their claims are released, the data is garbage).
+    the pipeline's writer thread after its last sample, while the device already runs the next shard and a thread
+    tokenises the one after, so at most three shards are claimed per worker (one tokenising, one running, one
+    committing); a failure aborts them (their claims are released, the data is garbage).
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     from .pipeline import PipelineStats
 
     totals = PipelineStats()
     open_writers: dict[int, Any] = {}
     done: list[int] = []
+    times: dict[str, float] = {}
     t0 = time.perf_counter()
     # Start each worker at a different shard so peers do not race for the same claim first.
     committed = set(store.committed_ids())
     todo = [s for s in range(store.num_shards) if s not in committed]
     k = spec.index % max(1, len(todo))
-    try:
+
+    def claims() -> Any:
         for shard_id in todo[k:] + todo[:k]:
             writer = store.try_claim(shard_id, threads=writer_threads)
-            if writer is None:
-                continue
-            open_writers[shard_id] = writer
-            samples, extra = samples_for(shard_id)
+            if writer is not None:
+                open_writers[shard_id] = writer
+                yield shard_id, writer
+
+    def commit(writer: Any, shard_id: int, extra: dict) -> None:
+        _commit(writer, shard_id, extra, open_writers, done, report, spec.index)
+        times.setdefault("first_commit", time.perf_counter())
+        times["last_commit"] = time.perf_counter()
+
+    # The next shard is claimed and tokenised on a thread while the device runs this one: tokenising is not on
+    # the device's critical path (it was, shard after shard).
+    tokenizer = ThreadPoolExecutor(1, thread_name_prefix="dflash-tokenize")
+    try:
+        queue = claims()
+        nxt = next(queue, None)
+        ready = tokenizer.submit(samples_for, nxt[0]) if nxt else None
+        while nxt is not None:
+            shard_id, writer = nxt
+            samples, extra = ready.result()
+            nxt = next(queue, None)
+            ready = tokenizer.submit(samples_for, nxt[0]) if nxt else None
+            times.setdefault("first_forward", time.perf_counter())
             stats = pipeline.submit(samples, writer)
             totals.add(stats)
             extra = {**extra, "device": spec.device, **stats.to_dict()}
-            pipeline.then(lambda w=writer, sid=shard_id, x=extra: _commit(w, sid, x, open_writers, done, report, spec.index))
+            pipeline.then(lambda w=writer, sid=shard_id, x=extra: commit(w, sid, x))
         totals.wait_s += pipeline.drain()
     except BaseException:
         try:
@@ -160,5 +185,11 @@ def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report
         for w in list(open_writers.values()):
             w.abort()
         raise
+    finally:
+        tokenizer.shutdown(wait=True, cancel_futures=True)
     totals.seconds = time.perf_counter() - t0
-    return {"device": spec.device, "shards": len(done), "pid": os.getpid(), **totals.to_dict()}
+    # Steady state: from the first forward to the last commit, every byte on disk (the run minus its start-up).
+    steady = times["last_commit"] - times["first_forward"] if "last_commit" in times else 0.0
+    return {"device": spec.device, "shards": len(done), "pid": os.getpid(), **totals.to_dict(),
+            "first_commit_s": round(times["first_commit"] - t0, 3) if "first_commit" in times else None,
+            "steady_s": round(steady, 3)}

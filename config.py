@@ -174,7 +174,9 @@ class ExtractConfig(StageConfig):
                    "token's id here. Recorded in the store.")
     strict: bool = option(False, help="Stop at the first bad row instead of counting it.")
     dtype: str = option("bfloat16", choices=DTYPES, help="Dtype the target runs in.")
-    writer_threads: int = option(4, help="Threads per worker that compress and write chunks.")
+    writer_threads: int | None = option(
+        None, help="Threads per worker that compress and write chunks [default: this machine's CPUs shared among "
+                   "its workers, 2-16].")
 
     def __post_init__(self) -> None:
         _check(bool(self.data), "--data needs at least one file or folder")
@@ -189,7 +191,8 @@ class ExtractConfig(StageConfig):
         _check(self.codec in CODECS, f"--codec {self.codec!r} is not one of {', '.join(CODECS)}")
         _check(self.dtype in DTYPES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         _check(self.mask_token_id is None or self.mask_token_id >= 0, "--mask-token-id must be >= 0")
-        _check(self.writer_threads >= 1, f"--writer-threads must be >= 1, got {self.writer_threads}")
+        _check(self.writer_threads is None or self.writer_threads >= 1,
+               f"--writer-threads must be >= 1, got {self.writer_threads}")
         if self.layers is not None:
             _check(len(self.layers) >= 1, "--layers is empty; pass auto or e.g. 1,9,17,25,33")
 

@@ -104,22 +104,29 @@ def make_conversations(path: Path, total_tokens: int, seed: int = 0) -> None:
 
 
 def settle() -> bool:
-    """Flush dirty pages and drop the page cache where allowed; return True if the cache was dropped."""
+    """Flush dirty pages and drop the page cache where allowed; return True if the cache was dropped.
+
+    The interpreter's own libraries are then read back by one `import torch, transformers, zarr`: the model's
+    files stay cold (the command's model load reads them from disk), Python's are warm as on any used machine.
+    """
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
-        return True
+        dropped = True
     except OSError:
-        return False
+        dropped = False
+    subprocess.run([sys.executable, "-c", "import torch, transformers, zarr, numcodecs"], check=True)
+    return dropped
 
 
-def run_command(model: Path, data: Path, store: Path, gpus: str, codec: str, log: Path) -> dict:
+def run_command(model: Path, data: Path, store: Path, gpus: str, flags: list[str], log: Path) -> dict:
     """Return the wall time and the summary figures of `dflash extract` run as a subprocess."""
     shutil.rmtree(store, ignore_errors=True)
     cmd = [sys.executable, "-m", "dflash.cli", "extract", "--model", str(model), "--data", str(data),
-           "--out", str(store), "--gpus", gpus, "--codec", codec]
+           "--out", str(store), "--gpus", gpus, *flags]
     dropped = settle()
+    started = time.time()
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -133,7 +140,16 @@ def run_command(model: Path, data: Path, store: Path, gpus: str, codec: str, log
     first = re.search(r"first commit ([\d.]+) s after that", text)
     steady = float(re.search(r"([\d,]+) tok/s to disk", text).group(1).replace(",", ""))
     forward = float(re.search(r"([\d,]+) tok/s forward", text).group(1).replace(",", ""))
-    return {"command": " ".join(cmd), "wall_s": wall, "tokens": tokens, "bytes": nbytes, "load_s": load,
+    planned = re.search(r"^(\d\d:\d\d:\d\d) INFO dflash.extract.orchestrate: extract .* worker", text, re.M)
+    startup = None
+    if planned:  # from the process start to the plan logged (imports, data, header, store): whole seconds
+        h, m, sec = map(int, planned.group(1).split(":"))
+        day = time.gmtime(started) if time.localtime().tm_gmtoff == 0 else time.localtime(started)
+        startup = (h * 3600 + m * 60 + sec) - (day.tm_hour * 3600 + day.tm_min * 60 + day.tm_sec)
+    writer = re.search(r"writer thread waited .*", text)
+    threads = re.search(r"(\d+) writer threads each", text)
+    return {"command": " ".join(cmd), "wall_s": wall, "writer": writer.group(0) if writer else "", "startup_s": startup,
+            "writer_threads": int(threads.group(1)) if threads else None, "tokens": tokens, "bytes": nbytes, "load_s": load,
             "first_commit_s": float(first.group(1)) if first else None, "steady_tok_s": steady,
             "forward_side_tok_s": forward, "page_cache_dropped": dropped}
 
@@ -192,9 +208,13 @@ def main() -> None:
     ap.add_argument("--work", default="bench-extract-out", help="folder for the target, the data and the logs")
     ap.add_argument("--store-dir", default=None, help="folder for the store [default: --work]; /dev/shm for RAM")
     ap.add_argument("--tokens", type=int, default=1_550_000)
-    ap.add_argument("--codec", default="blosc", choices=["blosc", "none", "fp8"])
+    ap.add_argument("--variants", default="",
+                    help="';'-separated extract option sets to run, e.g. 'codec=blosc;codec=none,writer-threads=8' "
+                         "[default: one run with the command's defaults]")
     ap.add_argument("--raw-gb", type=float, default=8.0, help="size of the raw disk write (3); 0 skips it")
     ap.add_argument("--keep-store", action="store_true")
+    ap.add_argument("--forward-to", default=None, help="save the truncated forward's figures here (JSON)")
+    ap.add_argument("--forward-from", default=None, help="reuse figures saved by --forward-to for the same data")
     ap.add_argument("--json", default=None, help="also write the figures as JSON here")
     ap.add_argument("--smoke", action="store_true", help="small Qwen3 on the CPU, few tokens: checks the script")
     args = ap.parse_args()
@@ -213,39 +233,48 @@ def main() -> None:
     print(f"target and {data.stat().st_size / 1e6:.1f} MB of conversations ready in {time.perf_counter() - t0:.1f} s",
           flush=True)
 
-    cmd = run_command(model, data, store, "cpu" if args.smoke else "0", args.codec, work / f"extract-{args.codec}.log")
-    print(f"(1) {cmd['command']}\n    wall {cmd['wall_s']:.1f} s, {cmd['tokens']:,} tokens, {cmd['bytes'] / 1e9:.2f} GB; "
-          f"model load {cmd['load_s']:.1f} s, first commit {cmd['first_commit_s']} s after it; steady "
-          f"{cmd['steady_tok_s']:,.0f} tok/s (forward side {cmd['forward_side_tok_s']:,.0f})", flush=True)
-    fwd = truncated_forward(model, data, store, device)
-    print(f"(2) truncated forward over the same {fwd['batches']} batches: {fwd['tok_s']:,.0f} tok/s "
-          f"({fwd['seconds']:.1f} s)", flush=True)
-    assert fwd["tokens"] == cmd["tokens"], (fwd["tokens"], cmd["tokens"])
-    if not args.keep_store:
-        shutil.rmtree(store, ignore_errors=True)
+    fwd = None
+    runs = []
+    for variant in args.variants.split(";"):
+        opts = dict(kv.split("=", 1) for kv in variant.split(",") if kv)
+        flags = [x for k, v in opts.items() for x in (f"--{k}", v)]
+        name = "-".join(f"{k}{v}" for k, v in opts.items()) or "defaults"
+        cmd = run_command(model, data, store, "cpu" if args.smoke else "0", flags, work / f"extract-{name}.log")
+        print(f"(1) {cmd['command']}\n    wall {cmd['wall_s']:.1f} s, {cmd['tokens']:,} tokens, "
+              f"{cmd['bytes'] / 1e9:.2f} GB; start-up to the plan ~{cmd['startup_s']} s, model load {cmd['load_s']:.1f} s, first commit {cmd['first_commit_s']} s "
+              f"after it; steady {cmd['steady_tok_s']:,.0f} tok/s (forward side {cmd['forward_side_tok_s']:,.0f}); "
+              f"{cmd['writer']}", flush=True)
+        if fwd is None and args.forward_from:
+            fwd = json.loads(Path(args.forward_from).read_text())
+        if fwd is None:
+            fwd = truncated_forward(model, data, store, device)
+            if args.forward_to:
+                Path(args.forward_to).write_text(json.dumps(fwd))
+            print(f"(2) truncated forward over the same {fwd['batches']} batches: {fwd['tok_s']:,.0f} tok/s "
+                  f"({fwd['seconds']:.1f} s)", flush=True)
+        assert fwd["tokens"] == cmd["tokens"], (fwd["tokens"], cmd["tokens"])
+        if not args.keep_store:
+            shutil.rmtree(store, ignore_errors=True)
+        whole = cmd["tokens"] / (cmd["wall_s"] - cmd["load_s"])
+        runs.append({**cmd, "variant": name, "forward_tok_s": round(fwd["tok_s"]),
+                     "steady_over_forward": round(cmd["steady_tok_s"] / fwd["tok_s"], 3),
+                     "whole_minus_load_tok_s": round(whole),
+                     "whole_minus_load_over_forward": round(whole / fwd["tok_s"], 3),
+                     "whole_tok_s": round(cmd["tokens"] / cmd["wall_s"])})
+        print(f"    ratios: steady / forward = {runs[-1]['steady_over_forward']:.3f}; (whole command - model load) / "
+              f"forward = {runs[-1]['whole_minus_load_over_forward']:.3f}", flush=True)
     raw = disk_write_bandwidth(store_root, int(args.raw_gb * 1e9)) if args.raw_gb > 0 else float("nan")
     if args.raw_gb > 0:
         print(f"(3) raw write + fsync in {store_root}: {raw / 1e9:.2f} GB/s", flush=True)
-    whole = cmd["tokens"] / (cmd["wall_s"] - cmd["load_s"])
-    figures = {
-        **{k: v for k, v in cmd.items() if k != "command"}, "command": cmd["command"],
-        "forward_tok_s": round(fwd["tok_s"]), "store_dir": str(store_root), "codec": args.codec,
-        "steady_over_forward": round(cmd["steady_tok_s"] / fwd["tok_s"], 3),
-        "whole_minus_load_tok_s": round(whole), "whole_minus_load_over_forward": round(whole / fwd["tok_s"], 3),
-        "whole_tok_s": round(cmd["tokens"] / cmd["wall_s"]),
-        "disk_raw_bytes_s": round(raw) if raw == raw else None,
-        "steady_bytes_over_raw_disk": round(cmd["bytes"] / (cmd["tokens"] / cmd["steady_tok_s"]) / raw, 3)
-        if raw == raw else None,
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
-    print("ratios: steady / forward = %.3f; (whole command - model load) / forward = %.3f; steady bytes/s / raw disk "
-          "= %s" % (figures["steady_over_forward"], figures["whole_minus_load_over_forward"],
-                    figures["steady_bytes_over_raw_disk"]))
+        for r in runs:
+            r["steady_bytes_over_raw_disk"] = round(r["bytes"] / (r["tokens"] / r["steady_tok_s"]) / raw, 3)
+            print(f"    {r['variant']}: steady bytes/s / raw disk = {r['steady_bytes_over_raw_disk']:.3f}")
+    figures = {"runs": runs, "store_dir": str(store_root), "disk_raw_bytes_s": round(raw) if raw == raw else None,
+               "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(json.dumps(figures))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
-
 
 if __name__ == "__main__":
     main()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import click
@@ -54,7 +55,7 @@ def run(cfg: Any) -> dict[str, Any]:
     from .header import build_header
     from .progress import Progress, format_summary, summarise
     from .template import load_template
-    from .worker import WorkerSpec, run_worker
+    from .worker import WorkerSpec, auto_writer_threads, run_worker
 
     try:
         model_config = AutoConfig.from_pretrained(cfg.model)
@@ -65,7 +66,9 @@ def run(cfg: Any) -> dict[str, Any]:
             f"{str(e).splitlines()[0][:200]}"
         ) from None
     template = load_template(tokenizer, cfg.chat_template)
+    t0 = time.perf_counter()
     rows = read_rows(cfg.data)
+    log.info("read %d rows of %s in %.1f s", len(rows), ", ".join(cfg.data), time.perf_counter() - t0)
     _report_bad_rows(rows, cfg.strict)
     header = build_header(cfg, model_config, tokenizer, template, rows)
     store = Store.create_or_open(cfg.out, header)
@@ -79,14 +82,17 @@ def run(cfg: Any) -> dict[str, Any]:
         for s in range(plan["num_shards"])
         if s not in committed
     )
-    log.info(
-        "extract %s: %d rows in %d shards (%d committed), layers %s, mask token %d, %d worker(s) on %s",
-        cfg.out, plan["num_rows"], plan["num_shards"], len(committed), header["layer_ids"], header["mask_token_id"],
-        len(devices), ",".join(devices),
-    )
     progress = Progress(left, show=rank == 0)
     base = 0 if local_rank is None else rank
-    specs = [WorkerSpec(device=d, index=base + i, header=store.header) for i, d in enumerate(devices)]
+    threads = cfg.writer_threads or auto_writer_threads(len(devices))
+    specs = [WorkerSpec(device=d, index=base + i, header=store.header, writer_threads=threads)
+             for i, d in enumerate(devices)]
+    log.info(
+        "extract %s: %d rows in %d shards (%d committed), layers %s, mask token %d, %d worker(s) on %s, %d writer "
+        "threads each",
+        cfg.out, plan["num_rows"], plan["num_shards"], len(committed), header["layer_ids"], header["mask_token_id"],
+        len(devices), ",".join(devices), threads,
+    )
     try:
         if len(specs) == 1:
             results = [run_worker(cfg, specs[0], rows, progress.update)]

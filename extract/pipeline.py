@@ -105,6 +105,9 @@ class FeaturePipeline:
         self._work: queue.Queue[_Work | None] = queue.Queue()
         self._failure: list[BaseException] = []
         self._thread: threading.Thread | None = None
+        # Where the writer thread's time goes (seconds): waiting for a batch's device-to-host copy (the device is
+        # behind), and handing features to the sink (the sink is behind: copies, compression, disk).
+        self.writer_times = {"copy_wait_s": 0.0, "sink_s": 0.0}
 
     def run(self, samples: list[Sample], sink: Sink) -> PipelineStats:
         """Return the stats of running every sample once and waiting until the sink has all of them."""
@@ -199,13 +202,17 @@ class FeaturePipeline:
                 if item.callback is not None:
                     item.callback()
                     continue
+                t0 = time.perf_counter()
                 if item.event is not None:
                     item.event.synchronize()
+                t1 = time.perf_counter()
                 off = 0
                 for s in item.batch:
                     n = len(s.input_ids)
                     item.sink.append(s.input_ids, s.loss_mask, item.buf[off : off + n], s.row)
                     off += n
+                self.writer_times["copy_wait_s"] += t1 - t0
+                self.writer_times["sink_s"] += time.perf_counter() - t1
                 if self.on_batch is not None:
                     self.on_batch(len(item.batch), item.tokens)
             except BaseException as e:  # handed to the forward loop, which re-raises it in its own thread

@@ -74,6 +74,8 @@ def summarise(store: Any, worker_results: list[dict[str, Any]]) -> dict[str, Any
             "load_s": r.get("load_s"),
             "first_commit_s": r.get("first_commit_s"),
             "steady_tokens_per_s": round(r["tokens"] / r["steady_s"], 1) if r.get("steady_s") else 0.0,
+            "writer_copy_wait_s": r.get("writer_copy_wait_s"),
+            "writer_sink_s": r.get("writer_sink_s"),
         }
         for r in worker_results
     ]
@@ -109,4 +111,7 @@ def format_summary(s: dict[str, Any], where: str, shown_rows: int = 5) -> str:
         if d.get("load_s") is not None:
             first = f"{d['first_commit_s']:.1f} s" if d.get("first_commit_s") is not None else "none"
             lines.append(f"  {d['device']}: model loaded in {d['load_s']:.1f} s, first commit {first} after that")
+        if d.get("writer_sink_s") is not None:
+            lines.append(f"  {d['device']}: writer thread waited {d['writer_copy_wait_s']:.1f} s for the device's "
+                         f"copies and spent {d['writer_sink_s']:.1f} s handing features to the store")
     return "\n".join(lines)

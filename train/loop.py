@@ -347,9 +347,10 @@ class Trainer:
         self.step += 1
         self.state.step_in_epoch = item.step_in_epoch + 1
         self.window.add(item, waited, metrics)
+        save = self.step % self.cfg.save_every == 0 or self.step == self.save_at  # before a log line moves save_at
         if self.step >= self.next_log:
             self.log_window(epoch, gnorm, lr)
-        if self.step % self.cfg.save_every == 0 or self.step == self.save_at:
+        if save:
             self.save()
 
     # -- beside the loop -----------------------------------------------------------------------------------------

@@ -143,7 +143,19 @@ def make_config(cls: type, opts: dict[str, Any]) -> Any:
     return cls(**values)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class _Interrupted(Exception):
+    """A signal's KeyboardInterrupt, carried past click (which would print `Aborted.`) to main."""
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as e:  # SIGINT, or SIGTERM through runtime's handler
+            raise _Interrupted() from e
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, "--version", prog_name="dflash")
 @click.option(
     "--log-level",
@@ -261,7 +273,12 @@ def demo(**opts: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: DflashError -> one line on stderr and exit 2; anything else keeps its traceback."""
+    """Console entry point: DflashError -> one line on stderr and exit 2; SIGINT/SIGTERM -> one line and exit
+    130/143 once the work has unwound (claims released, a checkpoint finished or abandoned); anything else keeps
+    its traceback."""
+    from .runtime import install_signal_handlers, interrupt_exit_code
+
+    install_signal_handlers()
     try:
         rv = cli.main(args=argv, prog_name="dflash", standalone_mode=False)
     except DflashError as e:
@@ -275,9 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     except click.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
-    except KeyboardInterrupt:
+    except (_Interrupted, KeyboardInterrupt) as e:
         click.echo("dflash: interrupted; rerun the same command to resume", err=True)
-        sys.exit(130)
+        sys.exit(interrupt_exit_code(e.__cause__ if isinstance(e, _Interrupted) else e))
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

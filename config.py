@@ -12,6 +12,7 @@ from .errors import ConfigError
 __all__ = [
     "option",
     "parse_layers",
+    "parse_val_fraction",
     "StageConfig",
     "ExtractConfig",
     "TrainConfig",
@@ -49,6 +50,16 @@ def parse_layers(value: Any) -> tuple[int, ...] | None:
     except ValueError:
         raise ConfigError(f"--layers {value!r}: expected auto or comma-separated layer ids like 1,9,17,25,33") from None
 
+
+
+def parse_val_fraction(value: Any) -> float | None:
+    """Return the fraction of a `--val-fraction` value ("auto" -> None: the split's own default)."""
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"--val-fraction {value!r}: expected auto or a fraction like 0.05") from None
 
 
 def parse_gpus(spec: str) -> list[int] | None:
@@ -217,12 +228,18 @@ class TrainConfig(StageConfig):
     anchors: int = option(512, help="Blocks drawn per sample; a batch holds at most --batch-tokens/4 blocks in all.")
     grad_accum: int = option(1, help="Micro-batches per rank per step; the global batch is GPUs x this (slots).")
     seed: int = option(0, help="Seed of data order, anchors and initialisation.")
-    val_fraction: float = option(0.0, help="Fraction of shards held out for validation (by shard).")
+    val_fraction: float | None = option(
+        None, cli_default="auto", parse="parse_val_fraction",
+        help="Fraction of shards held out for validation (by shard); auto holds out 2% (1 to 8 shards) of a store "
+             "of 20 shards or more and none of a smaller one (`dflash eval` then scores every shard, and says so).")
     follow: bool = option(False, help="Train while `dflash extract` is still writing the store.")
     resume: bool = option(False, help="Continue from the newest complete checkpoint of --out.")
     save_every: int = option(1000, help="Checkpoint every N steps (and at the end).")
+    save_every_minutes: float = option(30.0, help="Also checkpoint once this many minutes passed since the last "
+                                                  "checkpoint (0: by --save-every alone).")
     keep: int = option(3, help="Checkpoints to keep.")
-    log_every: int = option(10, help="Log a progress line every N steps.")
+    log_every: int = option(10, help="Log a progress line every N steps (and the first step at once).")
+    log_every_seconds: float = option(60.0, help="Also log once this many seconds passed since the last line.")
     tensorboard: bool = option(False, help="Also write TensorBoard events to RUN/tensorboard.")
     skip_corrupt: bool = option(False, help="Skip (and count) corrupt shards instead of stopping.")
     prefetch_shards: int = option(2, help="Whole shards each rank reads ahead.")
@@ -244,7 +261,10 @@ class TrainConfig(StageConfig):
         _check(self.block_size >= 2, f"--block-size must be >= 2, got {self.block_size}")
         _check(self.anchors >= 1, f"--anchors must be >= 1, got {self.anchors}")
         _check(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
-        _check(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        _check(self.val_fraction is None or 0 <= self.val_fraction < 1,
+               f"--val-fraction must be auto or in [0, 1), got {self.val_fraction}")
+        _check(self.save_every_minutes >= 0, f"--save-every-minutes must be >= 0, got {self.save_every_minutes}")
+        _check(self.log_every_seconds > 0, f"--log-every-seconds must be > 0, got {self.log_every_seconds}")
         _check(self.save_every >= 1, f"--save-every must be >= 1, got {self.save_every}")
         _check(self.keep >= 1, f"--keep must be >= 1, got {self.keep}")
         _check(self.log_every >= 1, f"--log-every must be >= 1, got {self.log_every}")

@@ -1,13 +1,17 @@
 """How dflash runs as processes: one log format, one reading of the launcher's environment, one spawn launcher with
-one error protocol, and one progress display (a bar with rate and ETA on a terminal, periodic lines in a log)."""
+one error protocol, one way a signal stops work (SIGINT and SIGTERM unwind like Ctrl-C, so cleanup runs), and one
+progress display (a bar with rate and ETA on a terminal, periodic lines in a log)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import queue
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -16,7 +20,8 @@ from typing import Any, Callable, Sequence
 from . import errors as errors_mod
 from .errors import DflashError
 
-__all__ = ["LOG_FORMAT", "setup_logging", "Ranks", "ranks_from_env", "launch", "Progress", "format_eta"]
+__all__ = ["LOG_FORMAT", "setup_logging", "Ranks", "ranks_from_env", "Terminated", "install_signal_handlers",
+           "interrupt_exit_code", "deferred_signals", "launch", "Progress", "format_eta"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,49 @@ def ranks_from_env(environ: dict[str, str] | None = None) -> Ranks:
     return Ranks(rank, world, int(env.get("LOCAL_RANK", rank)))
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM as an exception in the main thread: work unwinds as for Ctrl-C (claims released, temp folders gone)."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def install_signal_handlers() -> None:
+    """Make SIGTERM raise Terminated and SIGINT KeyboardInterrupt in the main thread (no-op in another thread)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def interrupt_exit_code(exc: BaseException) -> int:
+    """Return the shell's exit status of a process stopped by the signal behind exc: 143 SIGTERM, 130 SIGINT."""
+    return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Any:
+    """Hold SIGINT and SIGTERM while the block runs (a checkpoint being published), then deliver the first one.
+
+    A block that fails delivers nothing: its own exception is the one to report. No-op outside the main thread.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in old:
+        signal.signal(s, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if got:
+        os.kill(os.getpid(), got[0])  # again, now under the handler the block had held back
+        time.sleep(0.1)  # the handler runs between bytecodes: let it, here
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,6 +117,7 @@ def _free_port() -> int:
 def _child(target: Callable[..., Any], args: tuple, rank: int, env: dict[str, str], events: Any, level: int) -> None:
     """Entry point of a spawned process: run target(*args, report), send its result or its error to the parent."""
     os.environ.update(env)
+    install_signal_handlers()
     setup_logging(level, rank if "RANK" in env else None)
 
     def report(event: dict[str, Any]) -> None:
@@ -79,6 +128,8 @@ def _child(target: Callable[..., Any], args: tuple, rank: int, env: dict[str, st
     except DflashError as e:
         events.put({"kind": "error", "rank": rank, "type": type(e).__name__, "message": str(e)})
         raise SystemExit(e.exit_code)
+    except KeyboardInterrupt as e:  # a signal stopped it (cleanup ran); the parent, signalled too, says so
+        raise SystemExit(interrupt_exit_code(e))
     except BaseException as e:
         traceback.print_exc()
         last = traceback.format_exception_only(type(e), e)[-1].strip()
@@ -134,9 +185,12 @@ def launch(target: Callable[..., Any], args: Sequence[tuple], *, what: str, dist
             time.sleep(0.5)
             for p in running:
                 if p.is_alive():
-                    p.terminate()
+                    p.terminate()  # SIGTERM: the child unwinds (claims, temp folders) and exits 143
         for p in procs:
-            p.join()
+            p.join(timeout=None if finished else 60)
+            if p.is_alive():  # stuck in a collective whose peer is gone: no Python code runs there
+                p.kill()
+                p.join()
     if failed:
         rank, ev = sorted(failed.items())[0]
         others = f" ({len(failed)} of {world} {what} processes failed)" if len(failed) > 1 else ""

@@ -25,10 +25,14 @@ def launch_ranks(cfg: "TrainConfig", world: int) -> None:
 def run(cfg: "TrainConfig") -> None:
     """Run `dflash train` with a validated config: here under torchrun (or for one device), else one process per GPU.
 
-    torch is imported only now, so `dflash --help` stays fast.
+    torch is imported only now, so `dflash --help` stays fast, and only after the checks that need no model, so a
+    wrong path fails at once.
     """
     from ..config import resolve_devices
     from ..runtime import ranks_from_env
+    from .prepare import preflight
+
+    preflight(cfg)
     from .loop import train_rank
 
     if ranks_from_env().launched:  # torchrun (or another launcher) made the processes

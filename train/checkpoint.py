@@ -1,16 +1,21 @@
 """The one owner of a run's checkpoints: save, load, latest, prune, and which folder holds the drafter a user names.
 
     RUN/config.json                      the TrainConfig and the facts it resolved to (store, drafter, split, world)
+    RUN/train.lock                       the live trainer of this run (host, pid): one trainer per run folder
     RUN/checkpoints/step-000100/         model.safetensors + drafter_config.json (the drafter's files)
                                          trainer.pt: every stateful part's state_dict (optimizer, scheduler,
                                          loader), step, schedule length, every rank's RNGs, the config
+                                         checksums.json, written last: bytes and xxh3 of every other file
 A step folder is written under a temporary name and published whole (every file fsynced, then renamed), so a folder
 named step-NNNNNN is always complete; a killed save leaves only a `.step-*.tmp` folder that the next save removes.
 A step folder can be resumed from when it holds trainer.pt beside the drafter's files; it holds a drafter (for
-export, eval and decoding) when it has the drafter's files.
+export, eval and decoding) when it has the drafter's files. Files that no longer match their checksums (a flipped
+bit, a truncated copy) make the folder damaged: resume, export, eval and decoding of the run then take the newest
+sound one, with a warning. Folders written before checksums existed load unchecked.
 """
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -24,13 +29,14 @@ from typing import Any, Mapping, Protocol
 import numpy as np
 
 from ..atomic import publish_dir, temp_dir, write_atomic, write_durable
-from ..drafter.files import has_drafter_files, is_export, save_drafter_files
-from ..errors import ConfigError, InputError, ManifestMismatch
+from ..errors import ConfigError, DflashError, InputError, ManifestMismatch
 from ..nested import nested_diff
 
 __all__ = [
     "RUN_RECORD",
+    "RUN_LOCK",
     "TRAINER_STATE",
+    "CHECKSUMS",
     "Stateful",
     "Checkpointer",
     "find_checkpoint",
@@ -46,13 +52,40 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 RUN_RECORD = "config.json"
+RUN_LOCK = "train.lock"
 TRAINER_STATE = "trainer.pt"
+CHECKSUMS = "checksums.json"
 _STEP = re.compile(r"^step-(\d+)$")
 # TrainConfig fields that may change between a run and its resume; every other change is refused by name.
+# (val_fraction may: the split it resolves to, resolved.train_shards/val_shards, is compared instead.)
 RESUMABLE_CHANGES = frozenset(
-    {"resume", "epochs", "max_steps", "save_every", "keep", "log_every", "tensorboard", "skip_corrupt",
-     "prefetch_shards", "gpus", "follow", "out", "store", "target"}
+    {"resume", "epochs", "max_steps", "save_every", "save_every_minutes", "keep", "log_every", "log_every_seconds",
+     "tensorboard", "skip_corrupt", "prefetch_shards", "gpus", "follow", "out", "store", "target", "val_fraction"}
 )
+
+
+def has_drafter_files(folder: Path) -> bool:
+    """Return True if folder holds a drafter's files (drafter/files.py, imported only now: it imports torch)."""
+    from ..drafter.files import has_drafter_files as has
+
+    return has(folder)
+
+
+def _drafter_file_names() -> tuple[str, str]:
+    from ..drafter.files import DRAFTER_CONFIG, WEIGHTS
+
+    return WEIGHTS, DRAFTER_CONFIG
+
+
+def file_xxh3(path: Path) -> str:
+    """Return the xxh3-64 hex digest of a file, read in 8 MiB pieces."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while piece := f.read(8 << 20):
+            h.update(piece)
+    return h.hexdigest()
 
 
 class Stateful(Protocol):
@@ -81,40 +114,104 @@ class Checkpointer:
             return []
         return sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
 
-    def latest(self) -> Path | None:
-        """Return the newest step folder a run can resume from (drafter files and trainer.pt), or None."""
-        for _, folder in reversed(self.folders()):
-            if (folder / TRAINER_STATE).is_file() and has_drafter_files(folder):
-                return folder
-            log.warning("%s is incomplete; ignoring it", folder)
+    def lock(self) -> Any:
+        """Return the held RUN/train.lock (a stale one of a dead process is taken over); ConfigError naming the
+        live holder when another trainer has this run folder."""
+        from ..locks import FileLock
+
+        self.run.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(self.run / RUN_LOCK)
+        holder = lock.acquire()
+        if holder is not None:
+            raise ConfigError(
+                f"--out {self.run}: another `dflash train` (pid {holder.get('pid')} on host {holder.get('host')}) is "
+                f"training this run ({self.run / RUN_LOCK}); wait for it or stop it, or train into another --out"
+            )
+        return lock
+
+    def damage(self, folder: Path, names: tuple[str, ...] | None = None) -> str | None:
+        """Return what is wrong with the files of a step folder against its checksums (all, or those named), or
+        None when they match; a folder from before checksums is taken as it is."""
+        path = folder / CHECKSUMS
+        if not path.is_file():
+            log.debug("%s has no %s (written before checkpoints carried checksums); loading it unchecked", folder,
+                      CHECKSUMS)
+            return None
+        try:
+            files = json.loads(path.read_text(encoding="utf-8"))["files"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"{CHECKSUMS} is unreadable ({e})"
+        for name in names if names is not None else tuple(files):
+            want, file = files.get(name), folder / name
+            if want is None:
+                return f"{name} is not in {CHECKSUMS}"
+            if not file.is_file():
+                return f"{name} is missing"
+            size = file.stat().st_size
+            if size != want["bytes"]:
+                return f"{name} has {size} bytes, its checksum record says {want['bytes']}"
+            got = file_xxh3(file)
+            if got != want["xxh3"]:
+                return f"{name} has xxh3 {got}, its checksum record says {want['xxh3']}"
         return None
 
+    def latest(self) -> Path | None:
+        """Return the newest sound step folder a run can resume from (drafter files and trainer.pt), or None."""
+        return self._newest(lambda f: (f / TRAINER_STATE).is_file() and has_drafter_files(f), None)
+
     def newest_drafter(self) -> Path | None:
-        """Return the newest step folder holding the drafter's files (what export, eval and decoding read), or None."""
+        """Return the newest step folder with sound drafter files (what export, eval and decoding read), or None."""
+        return self._newest(has_drafter_files, _drafter_file_names())
+
+    def _newest(self, complete: Any, names: tuple[str, ...] | None) -> Path | None:
+        newer = None
         for _, folder in reversed(self.folders()):
-            if has_drafter_files(folder):
+            why = self.damage(folder, names) if complete(folder) else "incomplete"
+            if why is None:
+                if newer is not None:
+                    log.warning("%s is damaged (%s); falling back to %s, the newest sound checkpoint", newer[0],
+                                newer[1], folder.name)
                 return folder
-            log.warning("%s is incomplete (no drafter files); trying an older one", folder)
+            if newer is None:
+                newer = (folder, why)
+            else:
+                log.warning("%s is damaged (%s); ignoring it", folder, why)
+        if newer is not None:
+            log.warning("%s is damaged (%s) and no older checkpoint is sound", newer[0], newer[1])
         return None
 
     def save(self, step: int, model: Any, parts: Mapping[str, Stateful], extra: Mapping[str, Any]) -> Path:
         """Publish step-NNNNNN whole: the drafter's files and trainer.pt ({part: state_dict} plus extra); return it.
 
-        The same step saved again (after a resume) replaces the old folder whole.
+        The same step saved again (after a resume) replaces the old folder whole. SIGINT and SIGTERM wait until the
+        folder is published (or abandoned on an error). A full disk is a DflashError; older folders stay intact.
         """
         import torch
 
+        from ..drafter.files import save_drafter_files
+        from ..runtime import deferred_signals
+
         final = self.step_dir(step)
-        self.root.mkdir(parents=True, exist_ok=True)
         tmp = temp_dir(final)
         try:
-            save_drafter_files(model, tmp)
-            state = {name: part.state_dict() for name, part in parts.items()}
-            state.update(extra)
-            buf = io.BytesIO()
-            torch.save(state, buf)
-            write_durable(tmp / TRAINER_STATE, buf.getbuffer())
-            publish_dir(tmp, final, replace=True)
+            with deferred_signals():
+                self.root.mkdir(parents=True, exist_ok=True)
+                save_drafter_files(model, tmp)
+                state = {name: part.state_dict() for name, part in parts.items()}
+                state.update(extra)
+                buf = io.BytesIO()
+                torch.save(state, buf)
+                write_durable(tmp / TRAINER_STATE, buf.getbuffer())
+                sums = {p.name: {"bytes": p.stat().st_size, "xxh3": file_xxh3(p)} for p in sorted(tmp.iterdir())}
+                write_durable(tmp / CHECKSUMS, json.dumps({"version": 1, "files": sums}, indent=2) + "\n")
+                publish_dir(tmp, final, replace=True)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise DflashError(
+                f"{final}: cannot write the checkpoint, the disk is full ({e.strerror}); the older checkpoints are "
+                f"intact; free space on {self.root} (or pass a lower --keep) and rerun the same command with --resume"
+            ) from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return final
@@ -157,16 +254,20 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
-    """Return the folder holding a drafter's files: `path` itself, or a run's newest step folder that has them."""
+    """Return the folder holding a drafter's files: `path` itself, or a run's newest step folder with sound ones."""
     path = Path(path)
     if has_drafter_files(path):
+        why = Checkpointer(path.parent.parent).damage(path, _drafter_file_names())
+        if why is not None:
+            raise InputError(f"{path}: the checkpoint is damaged ({why}); pass its run folder {path.parent.parent} "
+                             "(its newest sound checkpoint) or another step folder")
         return path
     ckpt = Checkpointer(path)
     folder = ckpt.newest_drafter()
     if folder is None:
         raise InputError(
             f"--run {path}: expected model.safetensors and drafter_config.json there or in {ckpt.root}/step-NNNNNN/, "
-            f"found {len(ckpt.folders())} step folder(s) and none complete; run `dflash train --out {path}` "
+            f"found {len(ckpt.folders())} step folder(s) and none complete and sound; run `dflash train --out {path}` "
             "(with --resume) first"
         )
     return folder
@@ -175,6 +276,8 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
 def resolve_drafter(path: str | os.PathLike) -> tuple[Path, dict[str, Any] | None]:
     """Return (the folder to load the drafter from, the run record if it came from a run) for any folder a user
     passes as a drafter: an export, a checkpoint's step folder, or a run folder (its newest checkpoint)."""
+    from ..drafter.files import is_export
+
     path = Path(path)
     if not path.is_dir():
         raise InputError(f"--drafter {path}: expected an export folder (`dflash export`), a run folder (`dflash train "

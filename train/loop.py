@@ -1,7 +1,8 @@
 """The training loop of one rank: `Trainer.train -> epoch -> round -> step`, with save, validate and log beside.
 
 DDP over slots, AdamW on fp32 master weights with bf16 compute, cosine schedule, gradient accumulation, follow
-mode, logging, validation and checkpoints.
+mode, logging, validation and checkpoints. Logging and checkpoints are due by steps or by time; the time is rank 0's,
+turned into a step number at each log line and broadcast, so every rank takes the same decision.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from .dist import Dist
 from .follow import FollowRounds, estimate_total
 from .metrics import RunLog, plot_run, require_tensorboard, truncate_metrics
 from .plan import LoaderState, Round, plan_round
-from .prepare import ShardLengths, drafter_config, lr_factor, prepare_run_folder, run_record
+from .prepare import (ShardLengths, check_out_folder, drafter_config, lr_factor, prepare_run_folder, run_record,
+                      warn_cpu_sizes)
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -121,10 +123,12 @@ class Window:
     start: float
     wait: float = 0.0
     tokens: int = 0
+    steps: int = 0
     metrics: "Metrics | None" = None
 
     def add(self, item: "StepData", waited: float, metrics: "Metrics | None") -> None:
         """Count one step."""
+        self.steps += 1
         self.wait += waited
         self.tokens += item.tokens
         if metrics is not None:
@@ -137,22 +141,33 @@ class Trainer:
     def __init__(self, cfg: "TrainConfig") -> None:
         from ..storage import Store
         from ..storage.follow import wait_for_store
-        from .objective import max_blocks_for
-        from .stream import StreamSpec
 
         if cfg.tensorboard:
             require_tensorboard()
         self.cfg = cfg
         self.dist = dist = Dist.setup(cfg.gpus)
+        if dist.rank == 0 and dist.device.type == "cpu":
+            warn_cpu_sizes(cfg)
         self.store = wait_for_store(cfg.store) if cfg.follow else Store.open(cfg.store)
         self.dcfg = drafter_config(cfg, self.store)
         record = run_record(cfg, self.store, self.dcfg, dist.world)
-        self.resume_from = prepare_run_folder(cfg, record)
-        self.run = Path(cfg.out)
-        if dist.rank == 0:
-            self.run.mkdir(parents=True, exist_ok=True)
-            write_run_record(self.run, record)
+        self.run = check_out_folder(cfg.out)
         self.checkpoints = Checkpointer(self.run, cfg.keep)
+        self.lock = self.checkpoints.lock() if dist.rank == 0 else None  # one trainer per run folder
+        try:
+            self._setup(cfg, record)
+        except BaseException:
+            self.release()
+            raise
+
+    def _setup(self, cfg: "TrainConfig", record: dict[str, Any]) -> None:
+        from .objective import max_blocks_for
+        from .stream import StreamSpec
+
+        dist = self.dist
+        self.resume_from = prepare_run_folder(cfg, record)
+        if dist.rank == 0:
+            write_run_record(self.run, record)
         self.train_ids, self.val_ids = record["resolved"]["train_shards"], record["resolved"]["val_shards"]
         self.num_slots = dist.world * cfg.grad_accum
         slots = list(range(dist.rank * cfg.grad_accum, (dist.rank + 1) * cfg.grad_accum))
@@ -167,10 +182,19 @@ class Trainer:
                                depth=cfg.prefetch_shards, skip_corrupt=cfg.skip_corrupt)
         self.step = 0
         self.last_saved = -1
+        self.next_log = 1  # the first step is logged at once; then by steps and by rank 0's clock
+        self.save_at = -1  # the step that rank 0's clock says is --save-every-minutes after the last save
+        self.saved_time = time.perf_counter()
         self.stopped = False
         self.corrupt: set[int] = set()
         self.stream: Any = None
         self.runlog: RunLog | None = None
+
+    def release(self) -> None:
+        """Give up the run folder's lock (rank 0)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # -- planning ----------------------------------------------------------------------------------------------
     @property
@@ -198,6 +222,8 @@ class Trainer:
         if self.resume_from is not None:
             self.resume(self.resume_from)
         else:
+            if self.cfg.resume and self.dist.rank == 0:
+                truncate_metrics(self.run, 0)  # a killed attempt with no checkpoint: its steps are taken again
             self.start_fresh()
         self.dist.barrier()
         if self.dist.rank == 0:
@@ -247,6 +273,7 @@ class Trainer:
         self.start()
         self.window = Window(time.perf_counter())
         self.started, self.start_step = time.perf_counter(), self.step
+        self.next_log, self.saved_time = self.step + 1, self.started
         try:
             while self.state.epoch < self.cfg.epochs and not self.stopped:
                 self.epoch()
@@ -320,9 +347,10 @@ class Trainer:
         self.step += 1
         self.state.step_in_epoch = item.step_in_epoch + 1
         self.window.add(item, waited, metrics)
-        if self.step % self.cfg.log_every == 0:
+        save = self.step % self.cfg.save_every == 0 or self.step == self.save_at  # before a log line moves save_at
+        if self.step >= self.next_log:
             self.log_window(epoch, gnorm, lr)
-        if self.step % self.cfg.save_every == 0:
+        if save:
             self.save()
 
     # -- beside the loop -----------------------------------------------------------------------------------------
@@ -335,7 +363,7 @@ class Trainer:
             folder = self.checkpoints.save(self.step, self.learner.model, self.parts(), extra)
             self.checkpoints.prune()
             log.info("saved %s", folder)
-        self.last_saved = self.step
+        self.last_saved, self.saved_time = self.step, time.perf_counter()
         self.dist.barrier()
         self.window.start += time.perf_counter() - t0  # a save is not training time: keep it out of tokens/s
 
@@ -380,7 +408,19 @@ class Trainer:
                 "prefetch_depth": self.stream.depth() if self.stream is not None else 0,
                 "eta_s": rate * max(0, self.learner.total - self.step), "blocks": m.blocks,
             })
+        self.schedule(elapsed / max(1, win.steps))
         self.window = Window(time.perf_counter())
+
+    def schedule(self, step_s: float) -> None:
+        """Set the steps of the next log line and the next timed checkpoint from rank 0's clock and step time."""
+        cfg, step = self.cfg, self.step
+        by_steps = (step // cfg.log_every + 1) * cfg.log_every
+        nxt = min(by_steps, step + max(1, int(cfg.log_every_seconds / max(step_s, 1e-9))))
+        save_at = -1
+        if cfg.save_every_minutes > 0:
+            left = cfg.save_every_minutes * 60 - (time.perf_counter() - self.saved_time)
+            save_at = step + max(1, int(left / max(step_s, 1e-9)))
+        self.next_log, self.save_at = self.dist.broadcast((nxt, save_at))
 
     def end_epoch(self, epoch: int, steps: int, dropped: list[int], following: bool) -> None:
         """Record the end of an epoch: its steps, rounds, the samples the tail cut dropped, corrupt shards."""
@@ -396,4 +436,8 @@ class Trainer:
 
 def train_rank(cfg: "TrainConfig") -> None:
     """Train on this process's rank (RANK/WORLD_SIZE from torchrun or our launcher; a world of one otherwise)."""
-    Trainer(cfg).train()
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.release()

@@ -38,17 +38,24 @@ LOADER_STATE_VERSION = 1
 Sample = tuple[int, int, int]
 
 
-def split_shards(num_shards: int, val_fraction: float) -> tuple[list[int], list[int]]:
+def auto_val_count(num_shards: int) -> int:
+    """Return the held-out shards of `--val-fraction auto`: 2% of the plan, 1 to 8, none below 20 shards."""
+    return 0 if num_shards < 20 else min(8, max(1, round(0.02 * num_shards)))
+
+
+def split_shards(num_shards: int, val_fraction: float | None) -> tuple[list[int], list[int]]:
     """Return (train ids, held-out ids) of a shard plan: a fixed pseudo-random pick by shard id alone.
 
     At least one shard is held out when val_fraction > 0 and at least one always trains, so a store of one or
-    two shards still trains. The pick depends on nothing but (num_shards, val_fraction): a run, `dflash eval`
-    and the demo all see the same split.
+    two shards still trains; None is auto_val_count's number. The pick depends on nothing but (num_shards,
+    val_fraction): a run, `dflash eval` and the demo all see the same split.
     """
     if num_shards < 1:
         raise ConfigError(f"a store needs at least one shard to train on, its plan has {num_shards}")
     n_val = 0
-    if val_fraction > 0:
+    if val_fraction is None:
+        n_val = auto_val_count(num_shards)
+    elif val_fraction > 0:
         n_val = min(num_shards - 1, max(1, int(round(val_fraction * num_shards))))
     # A multiplicative hash spreads held-out ids over the whole plan (early and late source rows alike).
     ranked = sorted(range(num_shards), key=lambda i: ((i * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF, i))

@@ -20,13 +20,43 @@ if TYPE_CHECKING:
     from ..storage import Store
     from ..drafter.model import DrafterConfig
 
-__all__ = ["drafter_config", "run_record", "prepare_run_folder", "ShardLengths", "lr_factor"]
+__all__ = ["preflight", "check_out_folder", "warn_cpu_sizes", "drafter_config", "run_record", "prepare_run_folder",
+           "ShardLengths", "lr_factor"]
 
 log = logging.getLogger(__name__)
 
 # Header fields that make two stores the same data for training purposes (a resumed run must see these unchanged).
 _STORE_IDENTITY = ("layer_ids", "hidden_size", "mask_token_id", "codec", "tokenizer_hash", "chat_template_hash",
                    "max_length", "dataset", "shard_plan", "target")
+
+
+def check_out_folder(out: str | os.PathLike) -> Path:
+    """Return --out as a Path; ConfigError if it is a file."""
+    run = Path(out)
+    if run.exists() and not run.is_dir():
+        raise ConfigError(f"--out {run}: exists and is not a folder; pass a new folder path")
+    return run
+
+
+def preflight(cfg: "TrainConfig") -> None:
+    """Check what needs no model before torch is imported (seconds): --out is not a file, --store is a store."""
+    from ..storage import Store
+
+    check_out_folder(cfg.out)
+    if not cfg.follow:  # a followed store may not exist yet
+        Store.open(cfg.store)
+
+
+# What `dflash train` defaults to for GPUs; on a CPU they make a step take minutes.
+_GPU_SIZES = {"batch_tokens": 4096, "anchors": 128, "draft_layers": 2}
+
+
+def warn_cpu_sizes(cfg: "TrainConfig") -> None:
+    """Warn (one line) when a CPU run has options sized for GPUs."""
+    big = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k, limit in _GPU_SIZES.items() if getattr(cfg, k) > limit]
+    if big:
+        log.warning("training on a CPU with options sized for GPUs (%s): a step may take minutes; for a CPU try "
+                    "--batch-tokens 2048 --anchors 64 --draft-layers 1", ", ".join(big))
 
 
 def drafter_config(cfg: "TrainConfig", store: "Store") -> "DrafterConfig":
@@ -69,9 +99,7 @@ def run_record(cfg: "TrainConfig", store: "Store", dcfg: "DrafterConfig", world:
 
 def prepare_run_folder(cfg: "TrainConfig", record: dict[str, Any]) -> Path | None:
     """Return the checkpoint to resume from (None: a fresh run); refuse to overwrite a run or resume a changed one."""
-    run = Path(cfg.out)
-    if run.exists() and not run.is_dir():
-        raise ConfigError(f"--out {run}: exists and is not a folder; pass a new folder path")
+    run = check_out_folder(cfg.out)
     ckpt = Checkpointer(run).latest()
     saved = read_run_record(run)
     if not cfg.resume:
@@ -83,8 +111,9 @@ def prepare_run_folder(cfg: "TrainConfig", record: dict[str, Any]) -> Path | Non
         return None
     if saved is not None:
         check_resume(run, saved, record)
-    if ckpt is None:
-        log.warning("--resume: %s has no complete checkpoint yet; starting from step 0", run)
+    if ckpt is None:  # a fresh folder (the demo always passes --resume) is no news
+        say = log.warning if saved is not None or (run / METRICS_FILE).exists() else log.info
+        say("--resume: %s has no complete checkpoint yet; starting from step 0", run)
     return ckpt
 
 

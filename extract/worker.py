@@ -140,17 +140,30 @@ def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report
     committed = set(store.committed_ids())
     todo = [s for s in range(store.num_shards) if s not in committed]
     k = spec.index % max(1, len(todo))
+
+    def fill(shard_id: int) -> bool:
+        writer = store.try_claim(shard_id, threads=writer_threads)
+        if writer is None:
+            return False
+        open_writers[shard_id] = writer
+        samples, extra = samples_for(shard_id)
+        stats = pipeline.submit(samples, writer)
+        totals.add(stats)
+        extra = {**extra, "device": spec.device, **stats.to_dict()}
+        pipeline.then(lambda w=writer, sid=shard_id, x=extra: _commit(w, sid, x, open_writers, done, report, spec.index))
+        return True
+
     try:
         for shard_id in todo[k:] + todo[:k]:
-            writer = store.try_claim(shard_id, threads=writer_threads)
-            if writer is None:
-                continue
-            open_writers[shard_id] = writer
-            samples, extra = samples_for(shard_id)
-            stats = pipeline.submit(samples, writer)
-            totals.add(stats)
-            extra = {**extra, "device": spec.device, **stats.to_dict()}
-            pipeline.then(lambda w=writer, sid=shard_id, x=extra: _commit(w, sid, x, open_writers, done, report, spec.index))
+            fill(shard_id)
+        # A peer killed while we ran still "holds" its claims, and nobody would redo them until the next run: before
+        # leaving, look again at every uncommitted shard and take over the claims of dead processes (try_claim
+        # does), until a pass takes none. Claims of live peers stay theirs: they commit those themselves.
+        while True:
+            committed = set(store.committed_ids())
+            took = [fill(s) for s in range(store.num_shards) if s not in committed and s not in open_writers]
+            if not any(took):
+                break
         totals.wait_s += pipeline.drain()
     except BaseException:
         try:

@@ -151,6 +151,12 @@ def normalise(rec: Any) -> list[dict[str, str]]:
     if "messages" in rec or "conversations" in rec:
         sharegpt = "messages" not in rec
         turns = rec["conversations"] if sharegpt else rec["messages"]
+        if isinstance(turns, str):
+            # Parquet and CSV exports often hold the turns as one JSON string column: read it as the list it is.
+            try:
+                turns = json.loads(turns)
+            except json.JSONDecodeError as e:
+                raise _BadRow("unknown_shape", f"messages/conversations is a string but not JSON ({e.msg})") from None
         if not isinstance(turns, list) or not turns:
             raise _BadRow("unknown_shape", "messages/conversations is not a non-empty list")
         out = []

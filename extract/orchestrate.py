@@ -31,6 +31,23 @@ def _report_bad_rows(rows: list[Any], strict: bool, shown: int = 5) -> None:
         log.warning("%d bad rows (%s), skipped: %s%s", len(rs), reason, first, "; ..." if len(rs) > shown else "")
 
 
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{reason}: {n:,}" for reason, n in sorted(counts.items()))
+
+
+def _require_usable(rows: list[Any], data: tuple[str, ...]) -> None:
+    """Raise InputError naming the drop counts by reason if no row of the data can become a sample."""
+    if any(r.error is None for r in rows):
+        return
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.error] = counts.get(r.error, 0) + 1
+    raise InputError(
+        f"--data {' '.join(data)}: none of its {len(rows):,} rows is usable ({_counts(counts)}); expected rows with "
+        "messages, conversations or instruction+output; fix the data (the warnings above show the first bad rows)"
+    )
+
+
 def _child(cfg_dict: dict[str, Any], spec: Any, events: Any, log_level: int) -> None:
     """Entry point of a spawned worker process: run the worker, send its result or its error to the parent."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -107,12 +124,17 @@ def run(cfg: Any) -> dict[str, Any]:
     template = load_template(tokenizer, cfg.chat_template)
     rows = read_rows(cfg.data)
     _report_bad_rows(rows, cfg.strict)
-    header = build_header(cfg, model_config, tokenizer, template, rows)
-    store = Store.create_or_open(cfg.out, header)
+    _require_usable(rows, cfg.data)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ["LOCAL_RANK"]) if world > 1 and "LOCAL_RANK" in os.environ else None
+    # Everything that can refuse the run (devices, data, a folder without weights) is checked before the store
+    # exists, so a refused run leaves no store behind.
     devices = resolve_devices(cfg.gpus, local_rank)
+    header = build_header(cfg, model_config, tokenizer, template, rows)
+    # A store left by a run that failed before its first shard holds nothing: other options may take it over.
+    store = Store.create_or_open(cfg.out, header, replace_skeleton=True)
+    store.gc()  # temp files and claims of killed runs; never a live writer's (see Store.gc)
     plan = header["shard_plan"]
     committed = set(store.committed_ids())
     left = sum(
@@ -136,7 +158,13 @@ def run(cfg: Any) -> dict[str, Any]:
     finally:
         progress.close()
     summary = summarise(store, results)
-    if len(store.committed_ids()) >= store.num_shards:
+    done = len(store.committed_ids()) >= store.num_shards
+    if done and summary["samples"] == 0:
+        raise InputError(
+            f"--data {' '.join(cfg.data)}: no row became a sample ({_counts(summary['dropped'])}), so {cfg.out} "
+            "holds 0 samples; fix the data, or lower --min-loss-tokens / raise --max-length"
+        )
+    if done:
         # Whoever sees every shard committed records the dataset totals (peers may do it too: same content).
         store.mark_complete({k: v for k, v in summary.items() if k != "devices"} | {"config": cfg.to_dict()})
     elif rank == 0:

@@ -154,7 +154,7 @@ def test_changed_options_are_refused_naming_the_field(data_file, tiny_qwen3, tin
         run(extract_config(tiny_qwen3, data_file, out, shard_size=9, layers=(1, 2)))
     with pytest.raises(ManifestMismatch, match="codec"):
         run(extract_config(tiny_qwen3, data_file, out, shard_size=9, codec="none"))
-    with pytest.raises(ManifestMismatch, match="target.path"):
+    with pytest.raises(ManifestMismatch, match="target.fingerprint"):
         run(extract_config(tiny_llama, data_file, out, shard_size=9))
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}")

@@ -28,8 +28,13 @@ class WorkerSpec:
     header: dict[str, Any]
 
 
-def prepare_shard(rows: list[Row], encoder: Any, min_loss_tokens: int, strict: bool) -> tuple[list[Any], BadRowLog]:
-    """Return the shard's trainable samples and the log of its dropped rows (bad rows and too few loss tokens)."""
+TRUNCATED = "truncated_at_max_length"
+
+
+def prepare_shard(rows: list[Row], encoder: Any, min_loss_tokens: int, strict: bool,
+                  altered: BadRowLog | None = None) -> tuple[list[Any], BadRowLog]:
+    """Return the shard's trainable samples and the log of its dropped rows (bad rows and too few loss tokens);
+    kept rows that were changed on the way (invalid UTF-8 replaced, cut at max length) go into `altered`."""
     from .pipeline import Sample
     from .template import TemplateError
 
@@ -52,6 +57,11 @@ def prepare_shard(rows: list[Row], encoder: Any, min_loss_tokens: int, strict: b
                     continue
                 else:
                     samples.append(Sample(row.index, enc.input_ids, enc.loss_mask))
+                    if altered is not None:
+                        for note in row.notes:
+                            altered.add(note, row.index)
+                        if enc.cut_tokens:
+                            altered.add(TRUNCATED, row.index)
                     continue
         if strict:
             raise InputError(f"{row.where}: bad row ({reason}: {detail}); fix or remove it, or rerun without --strict")
@@ -106,9 +116,10 @@ def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Repor
 
     def samples_for(shard_id: int) -> tuple[list[Any], dict[str, Any]]:
         start, stop = ranges[shard_id]
-        samples, dropped = prepare_shard(rows[start:stop], encoder, cfg.min_loss_tokens, cfg.strict)
+        altered = BadRowLog()
+        samples, dropped = prepare_shard(rows[start:stop], encoder, cfg.min_loss_tokens, cfg.strict, altered)
         report({"kind": "dropped", "worker": spec.index, "samples": stop - start - len(samples)})
-        return samples, {"rows": [start, stop], "dropped": dropped.to_dict()}
+        return samples, {"rows": [start, stop], "dropped": dropped.to_dict(), "altered": altered.to_dict()}
 
     try:
         result = fill_shards(store, samples_for, pipeline, report, spec, writer_threads=cfg.writer_threads)

@@ -38,7 +38,10 @@ def inspect_store(url: str) -> dict[str, Any]:
         "header": store.header,
         "shards_committed": len(ids),
         "shards_planned": store.num_shards,
-        "complete": store.is_complete(),
+        # From the records alone: a store with a record that does not even parse is not complete. Chunks are not
+        # read here (that is `dflash verify`), so "complete" never vouches for the data.
+        "complete": store.is_complete() and not unreadable,
+        "chunks_checked": False,
         "samples": totals["num_samples"],
         "tokens": tokens,
         "loss_tokens": totals["num_loss_tokens"],
@@ -62,7 +65,8 @@ def format_inspect(info: dict[str, Any]) -> str:
         f"store        {info['store']}",
         f"format       v{h.get('format_version')}  codec {h.get('codec')}  layers {h.get('layer_ids')}  hidden {h.get('hidden_size')}",
         f"shards       {info['shards_committed']} / {info['shards_planned']} committed"
-        + ("  (complete)" if info["complete"] else "  (not complete)"),
+        + ("  (complete)" if info["complete"] else "  (not complete)")
+        + f"; from the commit records only, no chunk was read: `dflash verify {info['store']}` checks them",
         f"samples      {info['samples']:,}",
         f"tokens       {info['tokens']:,}  ({info['loss_tokens']:,} loss tokens)",
         f"on disk      {_gb(info['bytes_on_disk'])}"

@@ -14,7 +14,7 @@ from .plan import default_shard_size, shard_ranges
 from .template import text_hash
 
 __all__ = ["resolve_mask_token", "resolve_layers", "estimate_tokens_per_row", "build_header", "tokenizer_hash",
-           "target_fingerprint"]
+           "target_fingerprint", "in_form_of"]
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,10 @@ def _safetensors_part(f: Any, size: int, h: Any) -> bool:
         return False
     h.update(head + meta)
     base = 8 + n
-    spans = sorted(tuple(v["data_offsets"]) for k, v in tensors.items() if k != "__metadata__")
+    try:
+        spans = sorted(tuple(v["data_offsets"]) for k, v in tensors.items() if k != "__metadata__")
+    except (AttributeError, KeyError, TypeError):
+        return False
     for start, end in spans:
         for lo in sorted({start, max(start, end - _SAMPLE)}):
             f.seek(base + lo)
@@ -126,6 +129,19 @@ def target_fingerprint(model_dir: str | os.PathLike) -> str:
                 f.seek(k * max(0, size - _SAMPLE) // max(1, _WINDOWS - 1))
                 h.update(f.read(_SAMPLE))
     return h.hexdigest()
+
+
+def in_form_of(header: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
+    """Return this run's header in the form of a store written before target fingerprints, when it is one.
+
+    Such a store named its target by path alone (and its records name no header digest): it resumes under that
+    rule, so upgrading dflash never strands a half-written store; a new store always gets the fingerprint.
+    """
+    if stored is None or "fingerprint" in (stored.get("target") or {}):
+        return header
+    legacy = {k: v for k, v in header.items() if k != "informational"}
+    legacy["target"] = {k: v for k, v in header["target"].items() if k != "fingerprint"}
+    return legacy
 
 
 def build_header(cfg: Any, model_config: Any, tokenizer: Any, template: str, rows: list[Row]) -> dict[str, Any]:

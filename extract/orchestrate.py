@@ -48,6 +48,17 @@ def _require_usable(rows: list[Any], data: tuple[str, ...]) -> None:
     )
 
 
+def _stored_header(url: str) -> dict[str, Any] | None:
+    """Return the header of the store at url, or None if there is none (yet) or it cannot be read."""
+    from ..errors import StoreError
+    from ..storage import Store
+
+    try:
+        return Store.open(url).header
+    except StoreError:
+        return None
+
+
 def _child(cfg_dict: dict[str, Any], spec: Any, events: Any, log_level: int) -> None:
     """Entry point of a spawned worker process: run the worker, send its result or its error to the parent."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -108,7 +119,7 @@ def run(cfg: Any) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
     from ..storage import Store
-    from .header import build_header
+    from .header import build_header, in_form_of
     from .progress import Progress, format_summary, summarise
     from .template import load_template
     from .worker import WorkerSpec, run_worker
@@ -131,7 +142,7 @@ def run(cfg: Any) -> dict[str, Any]:
     # Everything that can refuse the run (devices, data, a folder without weights) is checked before the store
     # exists, so a refused run leaves no store behind.
     devices = resolve_devices(cfg.gpus, local_rank)
-    header = build_header(cfg, model_config, tokenizer, template, rows)
+    header = in_form_of(build_header(cfg, model_config, tokenizer, template, rows), _stored_header(cfg.out))
     # A store left by a run that failed before its first shard holds nothing: other options may take it over.
     store = Store.create_or_open(cfg.out, header, replace_skeleton=True)
     store.gc()  # temp files and claims of killed runs; never a live writer's (see Store.gc)

@@ -59,6 +59,26 @@ def test_records_older_than_header_binding_stay_readable(tiny_qwen3, data_file, 
         run(extract_config(tiny_qwen3, data_file, out))
 
 
+def test_a_store_from_before_target_fingerprints_resumes(tiny_qwen3, data_file, tmp_path):
+    out = tmp_path / "store"
+    run(extract_config(tiny_qwen3, data_file, out))
+    want = store_samples(out)
+    meta = json.loads((out / "zarr.json").read_text())  # the header such a store has
+    header = meta["attributes"]["dflash"]
+    del header["informational"], header["target"]["fingerprint"]
+    (out / "zarr.json").write_text(json.dumps(meta))
+    for path in (out / "commits").glob("*.json"):
+        rec = json.loads(path.read_text())
+        del rec["header_xxh3"]
+        rec["record_xxh3"] = record_digest(rec)
+        path.write_bytes(dumps(rec))
+    assert Store.open(str(out)).withdraw(1)
+    run(extract_config(tiny_qwen3, data_file, out))
+    store = Store.open(str(out))
+    assert store.is_complete() and "fingerprint" not in store.header["target"]
+    assert verify_store(str(out)) == (store.num_shards, []) and sorted(store_samples(out)) == sorted(want)
+
+
 def test_a_copied_or_moved_target_is_the_same_target(tiny_qwen3, data_file, tmp_path):
     from dflash.testing import build_tiny_target
 

@@ -27,6 +27,8 @@ class Row:
     messages: list[dict[str, str]] | None = None
     error: str | None = None
     detail: str = ""
+    # What was changed to read the row at all (e.g. "invalid_utf8_replaced"); counted in the extract summary.
+    notes: tuple[str, ...] = ()
 
 
 class _BadRow(Exception):
@@ -81,18 +83,27 @@ def fingerprint(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def _records(path: Path) -> Iterator[tuple[str, Any]]:
-    """Yield (line-or-row label, record or _BadRow) for every row of one file."""
+INVALID_UTF8 = "invalid_utf8_replaced"
+
+
+def _records(path: Path) -> Iterator[tuple[str, Any, tuple[str, ...]]]:
+    """Yield (line-or-row label, record or _BadRow, notes) for every row of one file."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                notes: tuple[str, ...] = ()
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    # Kept (a stray byte should not cost a conversation) but counted, never silent.
+                    line, notes = raw.decode("utf-8", errors="replace"), (INVALID_UTF8,)
                 if not line.strip():
                     continue  # blank lines are not rows (editors leave a trailing one)
                 try:
-                    yield f"{path}:{lineno}", json.loads(line)
+                    yield f"{path}:{lineno}", json.loads(line), notes
                 except json.JSONDecodeError as e:
-                    yield f"{path}:{lineno}", _BadRow("malformed_json", f"{e.msg} at column {e.colno}")
+                    yield f"{path}:{lineno}", _BadRow("malformed_json", f"{e.msg} at column {e.colno}"), notes
     elif suffix == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -103,10 +114,10 @@ def _records(path: Path) -> Iterator[tuple[str, Any]]:
         if not isinstance(data, list):
             raise InputError(f"--data {path}: expected a JSON list of rows, found {type(data).__name__}")
         for i, rec in enumerate(data):
-            yield f"{path}[{i}]", rec
+            yield f"{path}[{i}]", rec, ()
     elif suffix in (".parquet", ".arrow"):
         for i, rec in enumerate(_arrow_rows(path)):
-            yield f"{path}[{i}]", rec
+            yield f"{path}[{i}]", rec, ()
 
 
 def _arrow_rows(path: Path) -> Iterator[dict[str, Any]]:
@@ -151,6 +162,12 @@ def normalise(rec: Any) -> list[dict[str, str]]:
     if "messages" in rec or "conversations" in rec:
         sharegpt = "messages" not in rec
         turns = rec["conversations"] if sharegpt else rec["messages"]
+        if isinstance(turns, str):
+            # Parquet and CSV exports often hold the turns as one JSON string column: read it as the list it is.
+            try:
+                turns = json.loads(turns)
+            except json.JSONDecodeError as e:
+                raise _BadRow("unknown_shape", f"messages/conversations is a string but not JSON ({e.msg})") from None
         if not isinstance(turns, list) or not turns:
             raise _BadRow("unknown_shape", "messages/conversations is not a non-empty list")
         out = []
@@ -187,11 +204,11 @@ def read_rows(paths: tuple[str, ...] | list[str]) -> list[Row]:
     """Return every source row of the inputs, numbered globally from 0, each normalised or marked bad."""
     rows: list[Row] = []
     for f in input_files(paths):
-        for where, rec in _records(f):
+        for where, rec, notes in _records(f):
             try:
-                rows.append(Row(len(rows), where, messages=normalise(rec)))
+                rows.append(Row(len(rows), where, messages=normalise(rec), notes=notes))
             except _BadRow as bad:
-                rows.append(Row(len(rows), where, error=bad.reason, detail=bad.detail))
+                rows.append(Row(len(rows), where, error=bad.reason, detail=bad.detail, notes=notes))
     if not rows:
         raise InputError(f"--data {' '.join(paths)}: no rows found; check the files are not empty")
     return rows

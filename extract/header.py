@@ -13,11 +13,16 @@ from .data import Row, fingerprint, input_files
 from .plan import default_shard_size, shard_ranges
 from .template import text_hash
 
-__all__ = ["resolve_mask_token", "resolve_layers", "estimate_tokens_per_row", "build_header", "tokenizer_hash"]
+__all__ = ["resolve_mask_token", "resolve_layers", "estimate_tokens_per_row", "build_header", "tokenizer_hash",
+           "target_fingerprint", "in_form_of"]
 
 log = logging.getLogger(__name__)
 
 HEADER_KIND = "dflash-extract"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# Bytes hashed at the start and at the end of every tensor, and windows of other weight files.
+_SAMPLE = 4096
+_WINDOWS = 64
 
 
 def resolve_mask_token(vocab_size: int, num_tokenizer_tokens: int, explicit: int | None, model: str) -> int:
@@ -64,6 +69,81 @@ def _file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:32]
 
 
+def _safetensors_part(f: Any, size: int, h: Any) -> bool:
+    """Hash a safetensors file's JSON header and the first and last bytes of every tensor; False if not one."""
+    import json
+    import struct
+
+    head = f.read(8)
+    if len(head) < 8:
+        return False
+    n = struct.unpack("<Q", head)[0]
+    if not 0 < n <= size - 8:
+        return False
+    meta = f.read(n)
+    try:
+        tensors = json.loads(meta)
+    except ValueError:
+        return False
+    h.update(head + meta)
+    base = 8 + n
+    try:
+        spans = sorted(tuple(v["data_offsets"]) for k, v in tensors.items() if k != "__metadata__")
+    except (AttributeError, KeyError, TypeError):
+        return False
+    for start, end in spans:
+        for lo in sorted({start, max(start, end - _SAMPLE)}):
+            f.seek(base + lo)
+            h.update(f.read(min(_SAMPLE, end - lo)))
+    return True
+
+
+def target_fingerprint(model_dir: str | os.PathLike) -> str:
+    """Return a cheap content fingerprint of a model folder's config and weights; InputError if it has no weights.
+
+    Hashes config.json, every weight file's name and size, each safetensors file's JSON header (every tensor's
+    name, dtype, shape and byte range), and the first and last 4 KiB of every tensor; other weight formats give
+    64 windows of 4 KiB spread over the file. About 8 KiB a tensor, so a 60 GB target costs milliseconds, not a
+    minute of hashing. Why that is enough: a copy or a moved folder has the same bytes, so the same fingerprint;
+    another checkpoint (other training, other seed, a merged adapter, another dtype or shape) changes its header
+    or essentially every value of the tensors it touches, so some hashed bytes differ. What it cannot see is an
+    edit confined to the middle of a tensor, which no real checkpoint produces.
+    """
+    folder = Path(model_dir)
+    weights = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES) if folder.is_dir() else []
+    if not weights:
+        raise InputError(
+            f"--model {model_dir}: expected weights ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) beside "
+            "config.json, found none; point --model at a complete Hugging Face model folder"
+        )
+    h = hashlib.blake2b(digest_size=16)
+    config = folder / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for p in weights:
+        size = p.stat().st_size
+        h.update(f"\0{p.name}\0{size}\0".encode())
+        with open(p, "rb") as f:
+            if p.suffix == ".safetensors" and _safetensors_part(f, size, h):
+                continue
+            for k in range(_WINDOWS):
+                f.seek(k * max(0, size - _SAMPLE) // max(1, _WINDOWS - 1))
+                h.update(f.read(_SAMPLE))
+    return h.hexdigest()
+
+
+def in_form_of(header: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
+    """Return this run's header in the form of a store written before target fingerprints, when it is one.
+
+    Such a store named its target by path alone (and its records name no header digest): it resumes under that
+    rule, so upgrading dflash never strands a half-written store; a new store always gets the fingerprint.
+    """
+    if stored is None or "fingerprint" in (stored.get("target") or {}):
+        return header
+    legacy = {k: v for k, v in header.items() if k != "informational"}
+    legacy["target"] = {k: v for k, v in header["target"].items() if k != "fingerprint"}
+    return legacy
+
+
 def build_header(cfg: Any, model_config: Any, tokenizer: Any, template: str, rows: list[Row]) -> dict[str, Any]:
     """Return the header this run's store must have; any difference from an existing store is a mismatch."""
     num_layers = int(model_config.num_hidden_layers)
@@ -82,10 +162,14 @@ def build_header(cfg: Any, model_config: Any, tokenizer: Any, template: str, row
     archs = getattr(model_config, "architectures", None) or [type(model_config).__name__]
     return {
         "kind": HEADER_KIND,
+        # The target is what its config and weights are, not where they lie: a copied or moved folder is the
+        # same target (train, too, ignores where the store lies). The path is kept to tell the user, not compared.
+        "informational": ["target.path"],
         "target": {
             "path": os.path.abspath(cfg.model),
             "architecture": archs[0],
             "config_hash": _file_hash(config_file) if config_file.is_file() else None,
+            "fingerprint": target_fingerprint(cfg.model),
             "num_layers": num_layers,
             "vocab_size": int(model_config.vocab_size),
         },

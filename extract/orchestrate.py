@@ -30,6 +30,34 @@ def _report_bad_rows(rows: list[Any], strict: bool, shown: int = 5) -> None:
         log.warning("%d bad rows (%s), skipped: %s%s", len(rs), reason, first, "; ..." if len(rs) > shown else "")
 
 
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{reason}: {n:,}" for reason, n in sorted(counts.items()))
+
+
+def _require_usable(rows: list[Any], data: tuple[str, ...]) -> None:
+    """Raise InputError naming the drop counts by reason if no row of the data can become a sample."""
+    if any(r.error is None for r in rows):
+        return
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.error] = counts.get(r.error, 0) + 1
+    raise InputError(
+        f"--data {' '.join(data)}: none of its {len(rows):,} rows is usable ({_counts(counts)}); expected rows with "
+        "messages, conversations or instruction+output; fix the data (the warnings above show the first bad rows)"
+    )
+
+
+def _stored_header(url: str) -> dict[str, Any] | None:
+    """Return the header of the store at url, or None if there is none (yet) or it cannot be read."""
+    from ..errors import StoreError
+    from ..storage import Store
+
+    try:
+        return Store.open(url).header
+    except StoreError:
+        return None
+
+
 def _worker_main(cfg_dict: dict[str, Any], spec: Any, report: Any) -> dict[str, Any]:
     """Entry point of a spawned worker process: one device's share of the shards."""
     from ..config import ExtractConfig
@@ -52,7 +80,7 @@ def run(cfg: Any) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
     from ..storage import Store
-    from .header import build_header
+    from .header import build_header, in_form_of
     from .progress import Progress, format_summary, summarise
     from .template import load_template
     from .worker import WorkerSpec, auto_writer_threads, run_worker
@@ -70,11 +98,16 @@ def run(cfg: Any) -> dict[str, Any]:
     rows = read_rows(cfg.data)
     log.info("read %d rows of %s in %.1f s", len(rows), ", ".join(cfg.data), time.perf_counter() - t0)
     _report_bad_rows(rows, cfg.strict)
-    header = build_header(cfg, model_config, tokenizer, template, rows)
-    store = Store.create_or_open(cfg.out, header)
+    _require_usable(rows, cfg.data)
     ranks = ranks_from_env()
     rank, local_rank = ranks.rank, (ranks.local_rank if ranks.world > 1 else None)
+    # Everything that can refuse the run (devices, data, a folder without weights) is checked before the store
+    # exists, so a refused run leaves no store behind.
     devices = resolve_devices(cfg.gpus, local_rank)
+    header = in_form_of(build_header(cfg, model_config, tokenizer, template, rows), _stored_header(cfg.out))
+    # A store left by a run that failed before its first shard holds nothing: other options may take it over.
+    store = Store.create_or_open(cfg.out, header, replace_skeleton=True)
+    store.gc()  # temp files and claims of killed runs; never a live writer's (see Store.gc)
     plan = header["shard_plan"]
     committed = set(store.committed_ids())
     left = sum(
@@ -101,7 +134,13 @@ def run(cfg: Any) -> dict[str, Any]:
     finally:
         progress.close()
     summary = summarise(store, results)
-    if len(store.committed_ids()) >= store.num_shards:
+    done = len(store.committed_ids()) >= store.num_shards
+    if done and summary["samples"] == 0:
+        raise InputError(
+            f"--data {' '.join(cfg.data)}: no row became a sample ({_counts(summary['dropped'])}), so {cfg.out} "
+            "holds 0 samples; fix the data, or lower --min-loss-tokens / raise --max-length"
+        )
+    if done:
         # Whoever sees every shard committed records the dataset totals (peers may do it too: same content).
         store.mark_complete({k: v for k, v in summary.items() if k != "devices"} | {"config": cfg.to_dict()})
     elif rank == 0:

@@ -49,8 +49,9 @@ class Progress:
 def summarise(store: Any, worker_results: list[dict[str, Any]]) -> dict[str, Any]:
     """Return dataset-level totals over every committed shard, plus this run's per-device rates and disk waits."""
     samples = tokens = loss_tokens = nbytes = raw = 0
-    dropped: dict[str, int] = {}
-    dropped_rows: dict[str, list[int]] = {}
+    # dropped: rows that gave no sample; altered: rows kept but changed (invalid UTF-8 replaced, cut at max length)
+    counts: dict[str, dict[str, int]] = {"dropped": {}, "altered": {}}
+    rows_of: dict[str, dict[str, list[int]]] = {"dropped": {}, "altered": {}}
     for sid in store.committed_ids():
         rec = store.commit_record(sid)
         samples += rec.get("num_samples", 0)
@@ -58,11 +59,12 @@ def summarise(store: Any, worker_results: list[dict[str, Any]]) -> dict[str, Any
         loss_tokens += rec.get("num_loss_tokens", 0)
         nbytes += rec.get("bytes", 0)
         raw += rec.get("raw_feature_bytes", 0)
-        d = (rec.get("extra") or {}).get("dropped", {})
-        for reason, n in d.get("counts", {}).items():
-            dropped[reason] = dropped.get(reason, 0) + n
-        for reason, rows in d.get("rows", {}).items():
-            dropped_rows.setdefault(reason, []).extend(rows)
+        for what in counts:
+            d = (rec.get("extra") or {}).get(what, {})
+            for reason, n in d.get("counts", {}).items():
+                counts[what][reason] = counts[what].get(reason, 0) + n
+            for reason, rows in d.get("rows", {}).items():
+                rows_of[what].setdefault(reason, []).extend(rows)
     devices = [
         {
             "device": r["device"],
@@ -83,8 +85,9 @@ def summarise(store: Any, worker_results: list[dict[str, Any]]) -> dict[str, Any
         "samples": samples,
         "tokens": tokens,
         "loss_tokens": loss_tokens,
-        "dropped": dict(sorted(dropped.items())),
-        "dropped_rows": {k: sorted(v)[:100] for k, v in sorted(dropped_rows.items())},  # every row is in its shard's record
+        **{what: dict(sorted(counts[what].items())) for what in counts},
+        # every row is in its shard's record
+        **{f"{what}_rows": {k: sorted(v)[:100] for k, v in sorted(rows_of[what].items())} for what in rows_of},
         "bytes": nbytes,
         "raw_feature_bytes": raw,
         "bytes_per_token": round(nbytes / tokens, 1) if tokens else 0.0,
@@ -98,10 +101,11 @@ def format_summary(s: dict[str, Any], where: str, shown_rows: int = 5) -> str:
         f"extract -> {where}: {s['samples']:,} samples, {s['tokens']:,} tokens ({s['loss_tokens']:,} loss tokens), "
         f"{s['bytes'] / 1e9:.3f} GB, {s['bytes_per_token']:,.0f} bytes/token",
     ]
-    for reason, n in s["dropped"].items():
-        rows = s["dropped_rows"].get(reason, [])
-        more = ", ..." if len(rows) > shown_rows else ""
-        lines.append(f"  dropped {n:,} rows ({reason}): rows {', '.join(map(str, rows[:shown_rows]))}{more}")
+    for what in ("dropped", "altered"):
+        for reason, n in s.get(what, {}).items():
+            rows = s[f"{what}_rows"].get(reason, [])
+            more = ", ..." if len(rows) > shown_rows else ""
+            lines.append(f"  {what} {n:,} rows ({reason}): rows {', '.join(map(str, rows[:shown_rows]))}{more}")
     for d in s["devices"]:
         lines.append(
             f"  {d['device']}: {d['shards']} shards, {d['tokens']:,} tokens, {d['tokens_per_s']:,.0f} tok/s forward, "

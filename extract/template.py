@@ -26,6 +26,7 @@ class Encoded:
 
     input_ids: np.ndarray
     loss_mask: np.ndarray
+    cut_tokens: int = 0  # tokens past max_length that were cut off
 
     @property
     def num_loss_tokens(self) -> int:
@@ -125,10 +126,11 @@ class ChatEncoder:
         spans = self.assistant_spans(messages, text)
         # The template writes BOS itself where it wants one; letting the tokenizer add another would double it.
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        full = len(enc["input_ids"])
         ids = np.asarray(enc["input_ids"], dtype=np.int32)[: self.max_length]
         starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)[: self.max_length]
         mask = np.zeros(len(ids), dtype=bool)
         for s, e in spans:
             # A token belongs to the turn where it starts (byte-level BPE never merges across special tokens).
             mask |= (starts >= s) & (starts < e)
-        return Encoded(ids, mask)
+        return Encoded(ids, mask, max(0, full - self.max_length))

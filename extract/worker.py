@@ -40,8 +40,13 @@ def auto_writer_threads(workers: int, cpus: int | None = None) -> int:
     return max(2, min(16, cpus // max(1, workers) - 1))
 
 
-def prepare_shard(rows: list[Row], encoder: Any, min_loss_tokens: int, strict: bool) -> tuple[list[Any], BadRowLog]:
-    """Return the shard's trainable samples and the log of its dropped rows (bad rows and too few loss tokens)."""
+TRUNCATED = "truncated_at_max_length"
+
+
+def prepare_shard(rows: list[Row], encoder: Any, min_loss_tokens: int, strict: bool,
+                  altered: BadRowLog | None = None) -> tuple[list[Any], BadRowLog]:
+    """Return the shard's trainable samples and the log of its dropped rows (bad rows and too few loss tokens);
+    kept rows that were changed on the way (invalid UTF-8 replaced, cut at max length) go into `altered`."""
     from .pipeline import Sample
     from .template import TemplateError
 
@@ -64,6 +69,11 @@ def prepare_shard(rows: list[Row], encoder: Any, min_loss_tokens: int, strict: b
                     continue
                 else:
                     samples.append(Sample(row.index, enc.input_ids, enc.loss_mask))
+                    if altered is not None:
+                        for note in row.notes:
+                            altered.add(note, row.index)
+                        if enc.cut_tokens:
+                            altered.add(TRUNCATED, row.index)
                     continue
         if strict:
             raise InputError(f"{row.where}: bad row ({reason}: {detail}); fix or remove it, or rerun without --strict")
@@ -125,9 +135,10 @@ def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Repor
 
     def samples_for(shard_id: int) -> tuple[list[Any], dict[str, Any]]:
         start, stop = ranges[shard_id]
-        samples, dropped = prepare_shard(rows[start:stop], encoder, cfg.min_loss_tokens, cfg.strict)
+        altered = BadRowLog()
+        samples, dropped = prepare_shard(rows[start:stop], encoder, cfg.min_loss_tokens, cfg.strict, altered)
         report({"kind": "dropped", "worker": spec.index, "samples": stop - start - len(samples)})
-        return samples, {"rows": [start, stop], "dropped": dropped.to_dict()}
+        return samples, {"rows": [start, stop], "dropped": dropped.to_dict(), "altered": altered.to_dict()}
 
     try:
         result = fill_shards(store, samples_for, make_pipeline, report, spec,
@@ -167,12 +178,28 @@ def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report
     todo = [s for s in range(store.num_shards) if s not in committed]
     k = spec.index % max(1, len(todo))
 
+    def claim(shard_id: int) -> Any:
+        writer = store.try_claim(shard_id, threads=writer_threads)
+        if writer is not None:
+            open_writers[shard_id] = writer
+        return writer
+
     def claims() -> Any:
         for shard_id in todo[k:] + todo[:k]:
-            writer = store.try_claim(shard_id, threads=writer_threads)
-            if writer is not None:
-                open_writers[shard_id] = writer
+            if (writer := claim(shard_id)) is not None:
                 yield shard_id, writer
+        # A peer killed while we ran still "holds" its claims, and nobody would redo them until the next run:
+        # before leaving, look again at every uncommitted shard and take over the claims of dead processes
+        # (try_claim does), until a pass takes none. Claims of live peers stay theirs: they commit those.
+        took = True
+        while took:
+            took = False
+            committed = set(store.committed_ids())
+            for shard_id in range(store.num_shards):
+                if shard_id not in committed and shard_id not in open_writers:
+                    if (writer := claim(shard_id)) is not None:
+                        took = True
+                        yield shard_id, writer
 
     def commit(writer: Any, shard_id: int, extra: dict) -> None:
         _commit(writer, shard_id, extra, open_writers, done, report, spec.index)

@@ -11,21 +11,28 @@ import uuid
 from .fs import StoreFS
 from .layout import claim_path, dumps
 
-__all__ = ["Claim", "acquire", "release", "claim_is_live", "read_claim", "process_start_time"]
+__all__ = ["Claim", "acquire", "release", "claim_is_live", "read_claim", "process_start_time", "lock_is_stale"]
 
 log = logging.getLogger(__name__)
 
 HOST = socket.gethostname()
 
 
-def process_start_time(pid: int) -> int | None:
-    """Return the start time (clock ticks since boot) of a local process, or None if unknown or not running."""
+def _stat_fields(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode(errors="replace")
-        # The command name may contain spaces and parentheses: fields resume after the last ')'.
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses: fields resume after the last ')'.
+    return stat.rsplit(")", 1)[-1].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Return the start time (clock ticks since boot) of a local process, or None if unknown or not running."""
+    try:
+        return int((_stat_fields(pid) or [])[19])
+    except (IndexError, ValueError):
         return None
 
 
@@ -36,7 +43,9 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # A killed process its parent has not reaped yet still answers kill(0): a zombie writes nothing.
+    fields = _stat_fields(pid)
+    return not (fields and fields[0] in ("Z", "X"))
 
 
 class Claim(dict):
@@ -100,11 +109,16 @@ def acquire(fs: StoreFS, shard_id: int) -> Claim | None:
         else:
             # A process killed while holding the lock would leave the stale claim untakeable forever: the lock
             # names its holder, and a dead holder's lock is removed like a stale claim.
-            holder = _read_json(fs, lock)
-            if holder is not None and not claim_is_live(holder):
-                log.info("removing takeover lock %s of a dead process (%s)", lock, dict(holder))
+            if lock_is_stale(fs, lock):
+                log.info("removing takeover lock %s of a dead process", lock)
                 fs.rm(lock)
     return None
+
+
+def lock_is_stale(fs: StoreFS, rel: str) -> bool:
+    """Return True if a takeover lock (`*.takeover-*.partial` beside a claim) names a process that is not running."""
+    holder = _read_json(fs, rel)
+    return holder is not None and not claim_is_live(holder)
 
 
 def release(fs: StoreFS, shard_id: int, claim: Claim) -> None:

@@ -45,6 +45,10 @@ class StoreFS:
         """Return the file's size in bytes."""
         raise NotImplementedError
 
+    def mtime(self, rel: str) -> float | None:
+        """Return the file's modification time (seconds since the epoch), or None where the backend cannot say."""
+        raise NotImplementedError
+
     def write_file(self, rel: str, data: Any) -> None:
         """Write (and fsync where possible) a file; not atomic: only commit records must be."""
         raise NotImplementedError
@@ -124,6 +128,9 @@ class LocalFS(StoreFS):
 
     def size(self, rel: str) -> int:
         return os.stat(self.path(rel)).st_size
+
+    def mtime(self, rel: str) -> float | None:
+        return os.stat(self.path(rel)).st_mtime
 
     def write_file(self, rel: str, data: Any) -> None:
         """Write data (bytes or a contiguous buffer) to the file and fsync it; not atomic (the commit is)."""
@@ -206,6 +213,12 @@ class FsspecFS(StoreFS):
 
     def size(self, rel: str) -> int:
         return int(self.fs.size(self.path(rel)))
+
+    def mtime(self, rel: str) -> float | None:
+        try:
+            return self.fs.modified(self.path(rel)).timestamp()
+        except (NotImplementedError, AttributeError, KeyError, ValueError):
+            return None  # unknown age: gc keeps the file
 
     def write_file(self, rel: str, data: Any) -> None:
         self.fs.pipe_file(self.path(rel), bytes(memoryview(data).cast("B")))

@@ -5,7 +5,7 @@ import json
 import logging
 from typing import Any
 
-from ..nested import nested_diff
+from ..nested import flatten, nested_diff
 from ..errors import ManifestMismatch, StoreError
 from .codec import CODECS
 
@@ -23,6 +23,8 @@ __all__ = [
     "group_metadata",
     "dumps",
     "record_digest",
+    "header_digest",
+    "INFORMATIONAL",
 ]
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,9 @@ COMMITS = "commits"
 CLAIMS = "claims"
 # Keys storage adds to the header itself; never part of a comparison the caller asked for.
 _OWN_KEYS = ("format_version",)
+# A header may list dotted fields that are there for information only (where the target lay, say): they are neither
+# compared nor part of the header's digest, so moving a model folder changes nothing a store's identity rests on.
+INFORMATIONAL = "informational"
 
 
 def shard_dir(shard_id: int) -> str:
@@ -73,6 +78,23 @@ def record_digest(record: dict) -> str:
     return xxhash.xxh3_64_hexdigest(dumps({k: v for k, v in record.items() if k != "record_xxh3"}))
 
 
+def _identity(header: dict) -> dict:
+    """Return the header without its informational fields: what two headers must share to be the same store."""
+    skip = set(header.get(INFORMATIONAL) or [])
+    return {k: v for k, v in flatten(header).items() if k not in skip}
+
+
+def header_digest(header: dict) -> str:
+    """Return the xxh3_64 hex digest of a header's identity (format version included, informational fields not).
+
+    Every commit record carries the digest of the header it was written under, so a shard made under one header
+    is never read, verified or resumed as part of a store with another (a replaced or recreated zarr.json).
+    """
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(dumps(_identity(header)))
+
+
 def group_metadata(attributes: dict | None = None) -> dict:
     """Return a zarr v3 group `zarr.json` document."""
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
@@ -105,8 +127,9 @@ def validate_header(header: dict, where: str) -> None:
 
 def header_diff(stored: dict, expected: dict) -> list[tuple[str, Any, Any]]:
     """Return (dotted field, stored value, expected value) for every field that differs; missing reads as None."""
+    skip = set(stored.get(INFORMATIONAL) or []) | set(expected.get(INFORMATIONAL) or [])
     return nested_diff({k: v for k, v in stored.items() if k not in _OWN_KEYS},
-                       {k: v for k, v in expected.items() if k not in _OWN_KEYS})
+                       {k: v for k, v in expected.items() if k not in _OWN_KEYS}, ignore=skip.__contains__)
 
 
 def check_header(stored: dict, expected: dict, where: str) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import CorruptShard, StoreError
 from .codec import decode_chunk_into, fp8_to_bf16_bits
 from .fs import StoreFS, aligned_buffer, is_aligned
-from .layout import FORMAT_VERSION, commit_path, record_digest, shard_dir
+from .layout import FORMAT_VERSION, ROOT_META, commit_path, record_digest, shard_dir
 
 if TYPE_CHECKING:
     import torch
@@ -68,9 +68,10 @@ class ShardData:
         return self.input_ids[s:e], self.loss_mask[s:e], self.features[s:e]
 
 
-def load_record(fs: StoreFS, shard_id: int, verify: bool = True) -> dict:
-    """Return a shard's commit record; CorruptShard if it is unreadable or (verify) its digest does not match."""
-    return parse_record(fs, shard_id, read_record_bytes(fs, shard_id), verify)
+def load_record(fs: StoreFS, shard_id: int, verify: bool = True, header_xxh3: str | None = None) -> dict:
+    """Return a shard's commit record; CorruptShard if it is unreadable, (verify) its digest does not match, or it
+    was written under another header than the one whose digest is header_xxh3."""
+    return parse_record(fs, shard_id, read_record_bytes(fs, shard_id), verify, header_xxh3)
 
 
 def read_record_bytes(fs: StoreFS, shard_id: int) -> bytes:
@@ -82,8 +83,14 @@ def read_record_bytes(fs: StoreFS, shard_id: int) -> bytes:
         raise CorruptShard(f"{fs.display(path)}: shard {shard_id} is not committed (no commit record)") from None
 
 
-def parse_record(fs: StoreFS, shard_id: int, raw: bytes, verify: bool = True) -> dict:
-    """Return the commit record in `raw`; CorruptShard if it is not one or (verify) its digest does not match."""
+def parse_record(fs: StoreFS, shard_id: int, raw: bytes, verify: bool = True, header_xxh3: str | None = None) -> dict:
+    """Return the commit record in `raw`; CorruptShard if it is not one, (verify) its digest does not match, or
+    it names another header digest than header_xxh3 (when given).
+
+    Records written before records named their header (no `header_xxh3`) are accepted as they are: such stores
+    were made when the header was only ever created once and never replaced, so they stay readable; `dflash
+    verify` counts them, and a recreated header refuses to adopt them (Store.create_or_open).
+    """
     path = commit_path(shard_id)
     fix = f"run `dflash verify {fs.url} --repair` and rerun extract to redo it"
     try:
@@ -98,6 +105,12 @@ def parse_record(fs: StoreFS, shard_id: int, raw: bytes, verify: bool = True) ->
         raise CorruptShard(
             f"{fs.display(path)}: expected a format {FORMAT_VERSION} record of shard {shard_id}, found format "
             f"{record.get('format_version')!r} of shard {record.get('shard_id')!r}; {fix}"
+        )
+    bound = record.get("header_xxh3")
+    if header_xxh3 is not None and bound is not None and bound != header_xxh3:
+        raise CorruptShard(
+            f"{fs.display(path)}: shard {shard_id} was written under another header (xxh3 {bound}), the store's "
+            f"{ROOT_META} has xxh3 {header_xxh3}; {fix}"
         )
     return record
 

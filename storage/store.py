@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import CorruptShard, StoreError
+from ..errors import CorruptShard, ManifestMismatch, StoreError
 from . import claims
 from .fs import PARTIAL_SUFFIX, StoreFS, open_fs
 from .layout import (
@@ -23,6 +23,7 @@ from .layout import (
     commit_path,
     dumps,
     group_metadata,
+    header_digest,
     parse_id,
     shard_dir,
     validate_header,
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 
 # Measured in bench/storage.py: 512-token chunks read and write within a few % of 1024 and decode in parallel well.
 DEFAULT_CHUNK_TOKENS = 512
+# Every temp file of ours (`*.partial`) is renamed away within one small write; one this old has no live writer.
+PARTIAL_MAX_AGE_S = 600.0
 
 
 class Store:
@@ -57,18 +60,22 @@ class Store:
         self.fs = fs
         self.url = fs.url
         self.header = header
+        self.header_xxh3 = header_digest(header)
         # Chunking is a property of each shard (its record says it), so writers may choose it freely.
         self.chunk_tokens = int(chunk_tokens or DEFAULT_CHUNK_TOKENS)
         self._records: dict[int, tuple[bytes, dict]] = {}  # shard id -> (raw record, parsed record)
 
     # -- opening -------------------------------------------------------------------------------------------------
     @classmethod
-    def create_or_open(cls, url: str, header: dict, *, chunk_tokens: int | None = None) -> "Store":
-        """Return the store at url, creating it with this header; ManifestMismatch if it exists with another."""
+    def create_or_open(cls, url: str, header: dict, *, chunk_tokens: int | None = None,
+                       replace_skeleton: bool = False) -> "Store":
+        """Return the store at url, creating it with this header; ManifestMismatch if it exists with another
+        (replace_skeleton: unless it holds no commit record and no live writer, when this header replaces it)."""
         fs = open_fs(url)
         validate_header(header, fs.display())
         full = {**json.loads(json.dumps(header)), "format_version": FORMAT_VERSION}
         if not fs.exists(ROOT_META):
+            _refuse_foreign_records(fs, full)
             fs.makedirs("")
             for sub in (SHARDS, COMMITS, CLAIMS):
                 fs.makedirs(sub)
@@ -77,7 +84,15 @@ class Store:
             if fs.create_exclusive(ROOT_META, dumps(group_metadata({"dflash": full}))):
                 log.info("created store %s", fs.display())
                 return cls(fs, full, chunk_tokens)
-        return cls.open(url, expected=header, chunk_tokens=chunk_tokens)
+        try:
+            return cls.open(url, expected=header, chunk_tokens=chunk_tokens)
+        except ManifestMismatch:
+            if not (replace_skeleton and cls.open(url).is_skeleton()):
+                raise
+        # A run that failed before its first shard left nothing of value: the new settings take the store over.
+        log.warning("%s: replacing the header of a store that holds no committed shard", fs.display())
+        fs.write_atomic(ROOT_META, dumps(group_metadata({"dflash": full})))
+        return cls(fs, full, chunk_tokens)
 
     @classmethod
     def open(cls, url: str, expected: dict | None = None, *, chunk_tokens: int | None = None) -> "Store":
@@ -120,8 +135,16 @@ class Store:
         ids = (parse_id(n, ".json") for n in self.fs.listdir(COMMITS))
         return sorted(i for i in ids if i is not None)
 
+    def is_skeleton(self) -> bool:
+        """Return True if the store holds no commit record and no live writer: a header and empty folders only."""
+        if self.committed_ids():
+            return False
+        ids = (parse_id(n, ".json") for n in self.fs.listdir(CLAIMS))
+        return not any(claims.claim_is_live(claims.read_claim(self.fs, i)) for i in ids if i is not None)
+
     def commit_record(self, shard_id: int) -> dict:
-        """Return a committed shard's record (counts, bytes, checksums, writer, extra); CorruptShard if damaged.
+        """Return a committed shard's record (counts, bytes, checksums, writer, extra); CorruptShard if damaged or
+        written under another header.
 
         The file is read every time (a record may be withdrawn and redone), but parsed and digest-checked only
         when its bytes changed since this Store last read it.
@@ -130,7 +153,7 @@ class Store:
         cached = self._records.get(shard_id)
         if cached is not None and cached[0] == raw:
             return cached[1]
-        record = parse_record(self.fs, shard_id, raw)
+        record = parse_record(self.fs, shard_id, raw, header_xxh3=self.header_xxh3)
         self._records[shard_id] = (raw, record)
         return record
 
@@ -186,27 +209,45 @@ class Store:
         return self.fs.exists(COMPLETE) and len(self.committed_ids()) >= self.num_shards
 
     def gc(self) -> dict:
-        """Return counts of what was removed: uncommitted unclaimed shard folders, stale claims, `*.partial` files."""
+        """Return counts of what was removed: stale claims, uncommitted shard folders no live writer holds, and
+        `*.partial` temp files of dead writers.
+
+        Safe beside live writers: a claim or a shard folder is removed only under a claim this call took itself,
+        through the same takeover a writer uses (so a live writer's claim is never touched), and a temp file only
+        when it is a takeover lock of a dead process or older than PARTIAL_MAX_AGE_S.
+        """
         removed = {"shards": 0, "claims": 0, "partial": 0}
         committed = set(self.committed_ids())
-        for name in self.fs.listdir(CLAIMS):
-            if name.endswith(PARTIAL_SUFFIX):
-                removed["partial"] += self.fs.rm(f"{CLAIMS}/{name}")
+        folders = {parse_id(n) for n in self.fs.listdir(SHARDS)} - {None} - committed
+        claimed = {parse_id(n, ".json") for n in self.fs.listdir(CLAIMS)} - {None}
+        for sid in sorted(folders | claimed):
+            if sid in claimed and claims.claim_is_live(claims.read_claim(self.fs, sid)):
                 continue
-            sid = parse_id(name, ".json")
-            if sid is not None and not claims.claim_is_live(claims.read_claim(self.fs, sid)):
-                removed["claims"] += self.fs.rm(f"{CLAIMS}/{name}")
-        for name in self.fs.listdir(SHARDS):
-            sid = parse_id(name)
-            if sid is None or sid in committed:
-                continue
-            if claims.claim_is_live(claims.read_claim(self.fs, sid)):
-                continue  # a writer is filling it right now
-            removed["shards"] += self.fs.rmtree(f"{SHARDS}/{name}")
-        for folder in ("", COMMITS, SHARDS):
+            mine = claims.acquire(self.fs, sid)
+            if mine is None:
+                continue  # a live writer holds it
+            try:
+                if sid in folders and not self.fs.exists(commit_path(sid)):
+                    removed["shards"] += self.fs.rmtree(shard_dir(sid))
+            finally:
+                claims.release(self.fs, sid, mine)
+            removed["claims"] += sid in claimed
+        now = time.time()
+        for folder in ("", COMMITS, SHARDS, CLAIMS):
             for name in self.fs.listdir(folder):
-                if name.endswith(PARTIAL_SUFFIX):
-                    removed["partial"] += self.fs.rm(f"{folder}/{name}" if folder else name)
+                rel = f"{folder}/{name}" if folder else name
+                if not name.endswith(PARTIAL_SUFFIX):
+                    continue
+                if ".takeover-" in name:
+                    stale = claims.lock_is_stale(self.fs, rel)
+                else:
+                    try:
+                        mtime = self.fs.mtime(rel)
+                    except FileNotFoundError:
+                        continue
+                    stale = mtime is not None and now - mtime > PARTIAL_MAX_AGE_S
+                if stale:
+                    removed["partial"] += self.fs.rm(rel)
         if any(removed.values()):
             log.info("gc %s: removed %s", self.fs.display(), removed)
         return removed
@@ -214,7 +255,7 @@ class Store:
     # -- reading -------------------------------------------------------------------------------------------------
     def read_shard(self, shard_id: int, *, verify: bool = True, out: "torch.Tensor | None" = None) -> ShardData:
         """Return a whole committed shard; features land in `out` (e.g. pinned, at least T*L*H bf16) if given."""
-        record = self.commit_record(shard_id) if verify else load_record(self.fs, shard_id, verify)
+        record = self.commit_record(shard_id) if verify else load_record(self.fs, shard_id, verify, self.header_xxh3)
         small = {name: read_small(self.fs, shard_id, record, name, verify) for name in SMALL_ARRAYS}
         problems = invariant_problems(record, self.header, small)
         if problems:
@@ -255,7 +296,7 @@ class Store:
     def verify(self, shard_id: int) -> list[str]:
         """Return one line per problem of a committed shard (each naming the path); empty when it is sound."""
         try:
-            record = load_record(self.fs, shard_id)
+            record = load_record(self.fs, shard_id, header_xxh3=self.header_xxh3)
         except CorruptShard as e:
             return [str(e)]
         problems = []
@@ -284,6 +325,35 @@ class Store:
                     problems.append(f"{self.fs.display(path)}: checksum mismatch (expected xxh3 {entry['xxh3']})")
         del data
         return problems
+
+
+def _refuse_foreign_records(fs: StoreFS, header: dict) -> None:
+    """Raise ManifestMismatch if a store without a header holds commit records of another header.
+
+    Its zarr.json was removed (or lost) but its shards were not. Records of this very header are adopted: they are
+    what this run would write. Records of another header (or of none: written before records named their header)
+    are refused rather than redone: they are somebody's finished extraction, and deleting it silently because a
+    header went missing is the one thing a rerun must not do; the user decides, with the command in the message.
+    """
+    want = header_digest(header)
+    foreign: dict[str, int] = {}
+    for name in fs.listdir(COMMITS):
+        sid = parse_id(name, ".json")
+        if sid is None:
+            continue
+        try:
+            got = json.loads(fs.read_bytes(commit_path(sid))).get("header_xxh3") or "none"
+        except (FileNotFoundError, ValueError, AttributeError):
+            got = "unreadable"
+        if got != want:
+            foreign[got] = foreign.get(got, 0) + 1
+    if foreign:
+        found = ", ".join(f"{n} with header xxh3 {d}" for d, n in sorted(foreign.items()))
+        raise ManifestMismatch(
+            f"{fs.display()}: has no {ROOT_META} but {sum(foreign.values())} commit records written under another "
+            f"header ({found}; this run's header is xxh3 {want}); remove {fs.display(COMMITS)} and "
+            f"{fs.display(SHARDS)} to start over, or choose a new --out"
+        )
 
 
 def _bits(features: "torch.Tensor") -> np.ndarray:

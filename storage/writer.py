@@ -14,7 +14,7 @@ from ..errors import StoreError
 from . import claims
 from .fs import StoreFS
 from .codec import array_metadata, encode_chunk, feature_dtype, to_fp8
-from .layout import FORMAT_VERSION, commit_path, dumps, group_metadata, record_digest, shard_dir
+from .layout import FORMAT_VERSION, commit_path, dumps, group_metadata, header_digest, record_digest, shard_dir
 
 __all__ = ["ShardWriter", "features_to_bits"]
 
@@ -52,6 +52,7 @@ class ShardWriter:
         self._claim = claim
         self._dir = shard_dir(shard_id)
         self.codec: str = header["codec"]
+        self._header_xxh3 = header_digest(header)
         self.num_layers = len(header["layer_ids"])
         self.hidden_size = int(header["hidden_size"])
         self.chunk_tokens = int(chunk_tokens)
@@ -230,6 +231,8 @@ class ShardWriter:
         record = {
             "format_version": FORMAT_VERSION,
             "shard_id": self.shard_id,
+            # Binds the shard to the header it was written under; readers refuse it under any other.
+            "header_xxh3": self._header_xxh3,
             "codec": self.codec,
             "num_samples": len(self._sample_ids),
             "num_tokens": T,

@@ -206,3 +206,63 @@ def test_spawned_workers_split_the_shards(crash_data, tiny_qwen3, reference, tmp
     assert sum(r["shards"] for r in results) == store.num_shards and all(r["shards"] > 0 for r in results)
     assert progress.samples == len(reference)
     _assert_same(store_samples(cfg.out), reference)
+
+
+def _claimed_by(out: str, pid: int) -> list[int]:
+    """Return the shards whose claim names pid and that are not committed."""
+    held = []
+    for p in (Path(out) / "claims").glob("*.json"):
+        try:
+            if json.loads(p.read_text()).get("pid") == pid and not (Path(out) / "commits" / p.name).exists():
+                held.append(int(p.stem))
+        except (ValueError, FileNotFoundError):
+            continue  # being written, or just released
+    return sorted(held)
+
+
+def _committed_by(out: str, pid: int) -> bool:
+    for p in (Path(out) / "commits").glob("*.json"):
+        try:
+            if json.loads(p.read_text())["writer"]["pid"] == pid:
+                return True
+        except (ValueError, KeyError, FileNotFoundError):
+            continue
+    return False
+
+
+def test_three_writers_one_killed_survivors_finish_its_shards(crash_data, tiny_qwen3, reference, tmp_path):
+    cfg = extract_config(tiny_qwen3, crash_data, tmp_path / "store", shard_size=1)
+    cmd = [sys.executable, "-m", "dflash.cli", *_argv(cfg)]
+    # Deterministic: the first writer is frozen holding a claim (live, so the others pass it by), the two others
+    # start and get past it, are frozen in turn, and the first is killed: its claim is now a dead process's.
+    first = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=_ENV)
+    deadline = time.monotonic() + 120
+    while True:
+        assert first.poll() is None and time.monotonic() < deadline, "the first extract made no progress"
+        if _commits(cfg.out) >= 1:
+            first.send_signal(signal.SIGSTOP)
+            if _claimed_by(cfg.out, first.pid):
+                break
+            first.send_signal(signal.SIGCONT)
+        time.sleep(0.002)
+    held = _claimed_by(cfg.out, first.pid)
+    others = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=_ENV) for _ in range(2)]
+    try:
+        # Each is frozen once it has committed a shard: it has read the plan and passed the frozen writer's claims.
+        waiting = list(others)
+        while waiting:
+            assert all(p.poll() is None for p in waiting) and time.monotonic() < deadline, "a writer finished early"
+            for p in [p for p in waiting if _committed_by(cfg.out, p.pid)]:
+                p.send_signal(signal.SIGSTOP)
+                waiting.remove(p)
+            time.sleep(0.002)
+        first.kill()
+        first.wait()
+        assert _claimed_by(cfg.out, first.pid) == held  # still claimed by the now dead writer, not committed
+    finally:
+        for p in others:
+            p.send_signal(signal.SIGCONT)
+    errs = [p.communicate(timeout=300)[1] for p in others]
+    first.stderr.close()
+    assert [p.returncode for p in others] == [0, 0], errs
+    _check_killed_store(cfg, reference)  # complete without a rerun, every row exactly once

@@ -154,7 +154,7 @@ def test_changed_options_are_refused_naming_the_field(data_file, tiny_qwen3, tin
         run(extract_config(tiny_qwen3, data_file, out, shard_size=9, layers=(1, 2)))
     with pytest.raises(ManifestMismatch, match="codec"):
         run(extract_config(tiny_qwen3, data_file, out, shard_size=9, codec="none"))
-    with pytest.raises(ManifestMismatch, match="target.path"):
+    with pytest.raises(ManifestMismatch, match="target.fingerprint"):
         run(extract_config(tiny_llama, data_file, out, shard_size=9))
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}")
@@ -211,3 +211,20 @@ def test_disk_full_stops_cleanly_and_committed_shards_stay_valid(data_file, tiny
     run(cfg)
     assert Store.open(cfg.out).is_complete()
     assert len(store_samples(cfg.out)) == 15
+
+
+def test_replaced_utf8_and_cut_turns_are_counted(tiny_qwen3, tmp_path, capsys):
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "count one two three"}]}
+    long = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 100}]}
+    lines = [json.dumps(chat).encode(), json.dumps(chat).encode().replace(b"hi", b"h\xff\xfe"), json.dumps(long).encode()]
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b"\n".join(lines) + b"\n")
+    summary = run(extract_config(tiny_qwen3, data, tmp_path / "store", max_length=64))
+    assert summary["samples"] == 3
+    assert summary["altered"] == {"invalid_utf8_replaced": 1, "truncated_at_max_length": 1}
+    assert summary["altered_rows"] == {"invalid_utf8_replaced": [1], "truncated_at_max_length": [2]}
+    err = capsys.readouterr().err
+    assert "altered 1 rows (invalid_utf8_replaced): rows 1" in err and "(truncated_at_max_length): rows 2" in err
+    store = Store.open(str(tmp_path / "store"))
+    altered = store.commit_record(0)["extra"]["altered"]
+    assert altered["counts"] == {"invalid_utf8_replaced": 1, "truncated_at_max_length": 1}

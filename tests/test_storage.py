@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -194,8 +195,13 @@ def test_claims_commits_withdraw_and_gc(tmp_path):
     w.append(*synthetic_sample(0, 0, L, H), sample_id=0)
     w.abort()  # released without commit: the data is garbage no reader sees
     assert store.committed_ids() == [] and (tmp_path / "shards/00000/features").exists()
-    (tmp_path / "commits" / "00009.json.1234.partial").write_text("{")
+    old = tmp_path / "commits" / "00009.json.1234.partial"
+    old.write_text("{")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))  # left by a run killed an hour ago
+    fresh = tmp_path / "commits" / "00010.json.5678.partial"
+    fresh.write_text("{")  # a live writer's record, a moment before its rename: gc must leave it
     assert store.gc() == {"shards": 1, "claims": 0, "partial": 1}
+    assert fresh.exists() and not old.exists()
     assert not (tmp_path / "shards/00000").exists()
     for i in range(3):
         write_synthetic_shard(store, i, num_samples=2)

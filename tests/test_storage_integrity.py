@@ -153,3 +153,21 @@ def test_corrupt_data_never_reads_as_zeros(tmp_path):
         store.read_shard(1)
     with pytest.raises(CorruptShard):
         store.read_sample(1, 0)
+
+
+def test_inspect_reads_no_chunk_says_so_and_an_unreadable_record_is_not_complete(tmp_path, capsys):
+    make_store(tmp_path).mark_complete()
+    flip_byte(tmp_path / "shards/00000/features/c.0.0.0")  # inspect cannot see this: it reads records only
+    with pytest.raises(SystemExit):
+        main(["inspect", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert "3 / 3 committed  (complete)" in text and "no chunk was read" in text and "dflash verify" in text
+    (tmp_path / "commits/00002.json").write_text("{not json")
+    with pytest.raises(SystemExit):
+        main(["inspect", str(tmp_path), "--json"])
+    info = json.loads(capsys.readouterr().out)
+    assert info["complete"] is False and info["unreadable_records"] == [2] and info["chunks_checked"] is False
+    with pytest.raises(SystemExit):
+        main(["inspect", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert "(complete)" not in text and "(not complete)" in text and "UNREADABLE" in text

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StoreError
 from .checkpoint import Checkpointer, rng_state, set_rng_state, write_run_record
 from .dist import Dist
 from .follow import FollowRounds, estimate_total
@@ -261,7 +261,19 @@ class Trainer:
         if len(self.state.shards) < len(self.train_ids):
             log.warning("%s: %d of %d training shards are committed; training on those (--follow waits for all)",
                         cfg.store, len(self.state.shards), len(self.train_ids))
+        lengths = self.lengths.load(self.state.shards)
+        if not any(len(v) for v in lengths.values()):
+            # An "untrained checkpoint after 0 steps" would look like success; an empty store is a data problem.
+            raise StoreError(
+                f"--store {cfg.store}: its {len(self.state.shards)} committed training shards hold 0 samples (0 "
+                f"tokens), nothing to train on; re-extract from data with usable rows (`dflash inspect {cfg.store}`)"
+            )
         self.learner.total = planned_total(self.epoch_steps, 0, cfg.epochs, cfg.max_steps)
+        if self.learner.total == 0:
+            raise ConfigError(
+                f"--store {cfg.store}: {sum(map(len, lengths.values()))} samples plan 0 training steps at "
+                f"--batch-tokens {cfg.batch_tokens} on {self.num_slots} slots; extract more data or use fewer slots"
+            )
 
     def parts(self) -> dict[str, Any]:
         """Return the stateful parts a checkpoint holds besides the model."""

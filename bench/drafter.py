@@ -19,36 +19,16 @@ import torch
 from dflash.facts import build_target_layer_ids
 from dflash.testing import QWEN3_8B_CONFIG
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
-from dflash.drafter.batch import PackedBatch
+from dflash.drafter.flops import H200_BF16_PEAK, step_flops
 from dflash.train.objective import drafter_loss, pack_batch
 
 log = logging.getLogger(__name__)
 
-H200_BF16_PEAK = 989.5e12  # dense bf16 tensor-core FLOP/s of an H200 SXM
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def step_flops(cfg: DrafterConfig, batch: PackedBatch) -> dict[str, float]:
-    """Return the FLOPs of one forward + backward, by part, counted from the shapes of the batch."""
-    H, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    hq, hkv, L = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_hidden_layers
-    Q = batch.num_blocks * cfg.block_size
-    N = batch.ctx_pos.shape[0]
-    rows = int((batch.weights[:, 1:] > 0).sum())
-    keys = float((batch.anchor_pos + cfg.block_size).sum()) * cfg.block_size  # visible keys summed over queries
-    per_layer_block = 2 * Q * (H * hq + 2 * H * hkv + hq * H + 3 * H * I)
-    per_layer_ctx = 2 * N * (2 * H * hkv)
-    attn = 4 * keys * hq  # QK^T and PV over the visible keys only
-    return {
-        "layers": 3 * L * (per_layer_block + per_layer_ctx),
-        "attention": 3 * L * attn,
-        "fc": 2 * 2 * N * len(cfg.target_layer_ids) * H * H,
-        "lm_head": 2 * 2 * rows * H * cfg.vocab_size,
-    }
 
 
 def make_sequences(cfg: DrafterConfig, n: int, T: int, device: torch.device, seed: int) -> list[dict]:

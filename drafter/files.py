@@ -27,6 +27,8 @@ __all__ = [
     "EXPORT_CONFIG",
     "has_drafter_files",
     "is_export",
+    "drafter_state",
+    "write_drafter_files",
     "save_drafter_files",
     "export_config",
     "config_from_export",
@@ -127,22 +129,33 @@ def _state_dict(folder: Path, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
     return sd
 
 
-def save_drafter_files(model: torch.nn.Module, folder: str | os.PathLike) -> Path:
-    """Write a drafter's weights (model.safetensors, bare names) and drafter_config.json into folder; return it.
+def drafter_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Return (a host copy of the drafter's weights under their bare names, its config as a dict).
 
-    Each file is written atomically (temp, fsync, rename), the config last. A DDP or compiled wrapper is fine.
+    A DDP or compiled wrapper is fine. The tensors are copies: training may go on changing the model meanwhile.
     """
-    from safetensors.torch import save
-
     inner = model
     while hasattr(inner, "module") or hasattr(inner, "_orig_mod"):
         inner = getattr(inner, "module", None) or getattr(inner, "_orig_mod")
+    sd = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in inner.state_dict().items()}
+    return sd, inner.config.to_dict()
+
+
+def write_drafter_files(weights: dict[str, torch.Tensor], config: dict[str, Any], folder: str | os.PathLike) -> Path:
+    """Write weights (model.safetensors) and config (drafter_config.json) into folder, each atomically, the config
+    last; return folder."""
+    from safetensors.torch import save
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().contiguous().cpu() for k, v in inner.state_dict().items()}
-    write_atomic(folder / WEIGHTS, save(sd, metadata={"format": "pt"}))
-    write_atomic(folder / DRAFTER_CONFIG, (json.dumps(inner.config.to_dict(), indent=2) + "\n").encode())
+    write_atomic(folder / WEIGHTS, save(weights, metadata={"format": "pt"}))
+    write_atomic(folder / DRAFTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
     return folder
+
+
+def save_drafter_files(model: torch.nn.Module, folder: str | os.PathLike) -> Path:
+    """Write a drafter's weights (model.safetensors, bare names) and drafter_config.json into folder; return it."""
+    return write_drafter_files(*drafter_state(model), folder)
 
 
 def write_export(src: str | os.PathLike, out: str | os.PathLike, *, remote_code: bool = False) -> Path:

@@ -23,6 +23,7 @@ import os
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
@@ -38,6 +39,8 @@ __all__ = [
     "TRAINER_STATE",
     "CHECKSUMS",
     "Stateful",
+    "Snapshot",
+    "host_copy",
     "Checkpointer",
     "find_checkpoint",
     "resolve_drafter",
@@ -96,6 +99,27 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
+@dataclass
+class Snapshot:
+    """Host copies of one checkpoint's content: the step, the drafter's weights and config, trainer.pt's dict."""
+
+    step: int
+    weights: dict[str, Any]
+    drafter_config: dict[str, Any]
+    state: dict[str, Any]
+
+
+def host_copy(obj: Any) -> Any:
+    """Return obj with every tensor in it (nested dicts, lists, tuples) copied to host memory."""
+    if hasattr(obj, "detach") and hasattr(obj, "to"):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj
+
+
 class Checkpointer:
     """Save, find, load and prune the step folders of one run folder."""
 
@@ -103,6 +127,8 @@ class Checkpointer:
         self.run = Path(run)
         self.root = self.run / "checkpoints"
         self.keep = keep
+        self._writer: Any = None  # the background write's thread (save_in_background)
+        self._pending: Any = None  # its write in flight
 
     def step_dir(self, step: int) -> Path:
         """Return RUN/checkpoints/step-NNNNNN (zero-padded so listings sort)."""
@@ -180,27 +206,61 @@ class Checkpointer:
             log.warning("%s is damaged (%s) and no older checkpoint is sound", newer[0], newer[1])
         return None
 
-    def save(self, step: int, model: Any, parts: Mapping[str, Stateful], extra: Mapping[str, Any]) -> Path:
-        """Publish step-NNNNNN whole: the drafter's files and trainer.pt ({part: state_dict} plus extra); return it.
+    def snapshot(self, step: int, model: Any, parts: Mapping[str, Stateful], extra: Mapping[str, Any]) -> Snapshot:
+        """Return host copies of everything step-NNNNNN will hold: what a checkpoint costs the training loop."""
+        from ..drafter.files import drafter_state
 
-        The same step saved again (after a resume) replaces the old folder whole. SIGINT and SIGTERM wait until the
-        folder is published (or abandoned on an error). A full disk is a DflashError; older folders stay intact.
+        weights, config = drafter_state(model)
+        state = host_copy({name: part.state_dict() for name, part in parts.items()})
+        state.update(host_copy(dict(extra)))
+        return Snapshot(step, weights, config, state)
+
+    def save(self, step: int, model: Any, parts: Mapping[str, Stateful], extra: Mapping[str, Any]) -> Path:
+        """Publish step-NNNNNN whole: the drafter's files and trainer.pt ({part: state_dict} plus extra); return it."""
+        return self.write(self.snapshot(step, model, parts, extra))
+
+    def save_in_background(self, snap: Snapshot) -> None:
+        """Write (then prune) a snapshot on the checkpointer's thread; the previous write is finished first, so
+        folders appear in order and at most one snapshot waits in memory. Its errors surface at `wait`."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.wait()
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="dflash-checkpoint")
+        self._pending = self._writer.submit(self._write_and_prune, snap)
+
+    def _write_and_prune(self, snap: Snapshot) -> Path:
+        folder = self.write(snap)
+        self.prune()
+        log.info("saved %s", folder)
+        return folder
+
+    def wait(self) -> Path | None:
+        """Return the folder of the background write in flight once it is published (None if there was none);
+        re-raise its error (a full disk, say): the previous checkpoint is then still the newest complete one."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def write(self, snap: Snapshot) -> Path:
+        """Publish a snapshot as step-NNNNNN; return the folder.
+
+        The same step saved again (after a resume) replaces the old folder whole. On the main thread SIGINT and
+        SIGTERM wait until the folder is published (or abandoned on an error); a write on the checkpointer's thread
+        is waited for by the trainer before it exits. A full disk is a DflashError; older folders stay intact.
         """
         import torch
 
-        from ..drafter.files import save_drafter_files
+        from ..drafter.files import write_drafter_files
         from ..runtime import deferred_signals
 
-        final = self.step_dir(step)
+        final = self.step_dir(snap.step)
         tmp = temp_dir(final)
         try:
             with deferred_signals():
                 self.root.mkdir(parents=True, exist_ok=True)
-                save_drafter_files(model, tmp)
-                state = {name: part.state_dict() for name, part in parts.items()}
-                state.update(extra)
+                write_drafter_files(snap.weights, snap.drafter_config, tmp)
                 buf = io.BytesIO()
-                torch.save(state, buf)
+                torch.save(snap.state, buf)
                 write_durable(tmp / TRAINER_STATE, buf.getbuffer())
                 sums = {p.name: {"bytes": p.stat().st_size, "xxh3": file_xxh3(p)} for p in sorted(tmp.iterdir())}
                 write_durable(tmp / CHECKSUMS, json.dumps({"version": 1, "files": sums}, indent=2) + "\n")

@@ -55,6 +55,7 @@ class Learner:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      fused=dev.type == "cuda")
         self.total = 1
+        self.last_flops = 0.0  # model FLOPs (forward + backward) of the last step on this rank
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, self.total, cfg.warmup_ratio))
 
     def autocast(self) -> Any:
@@ -71,6 +72,7 @@ class Learner:
         """
         import torch
 
+        from ..drafter.flops import step_flops
         from .objective import drafter_loss
 
         dev = self.dist.device
@@ -93,6 +95,7 @@ class Learner:
                     loss = loss * (w / max(total_w, 1e-12) * self.dist.world)
                     metrics = m if metrics is None else metrics + m
             loss.backward()
+        self.last_flops = sum(sum(step_flops(self.model.config, b).values()) for b in micro if b is not None)
         gnorm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip))
         lr = self.sched.get_last_lr()[0]
         self.opt.step()
@@ -118,17 +121,19 @@ def planned_total(epoch_steps: Callable[[int], int], first_epoch: int, epochs: i
 
 @dataclass
 class Window:
-    """What happened since the last log line: its start, seconds waiting for data, tokens, summed metrics."""
+    """What happened since the last log line: its start, seconds waiting for data, tokens, FLOPs, summed metrics."""
 
     start: float
     wait: float = 0.0
     tokens: int = 0
     steps: int = 0
+    flops: float = 0.0
     metrics: "Metrics | None" = None
 
-    def add(self, item: "StepData", waited: float, metrics: "Metrics | None") -> None:
+    def add(self, item: "StepData", waited: float, metrics: "Metrics | None", flops: float = 0.0) -> None:
         """Count one step."""
         self.steps += 1
+        self.flops += flops
         self.wait += waited
         self.tokens += item.tokens
         if metrics is not None:
@@ -189,6 +194,26 @@ class Trainer:
         self.corrupt: set[int] = set()
         self.stream: Any = None
         self.runlog: RunLog | None = None
+        self.peak = self.device_peak(dist.device)
+
+    @staticmethod
+    def device_peak(device: Any) -> float | None:
+        """Return the dense bf16 FLOP/s of a CUDA device (None on a CPU or an unknown GPU: no MFU then)."""
+        if device.type != "cuda":
+            return None
+        import torch
+
+        from ..drafter.flops import peak_flops
+
+        return peak_flops(torch.cuda.get_device_name(device))
+
+    def finish_saving(self) -> None:
+        """Let a background checkpoint write finish (an interrupt or an error is unwinding the run): it is
+        published whole, or its temp folder is removed and the previous checkpoint stays the newest."""
+        try:
+            self.checkpoints.wait()
+        except Exception as e:  # the run's own error is the one being reported
+            log.error("the checkpoint being written when the run stopped was abandoned: %s", e)
 
     def release(self) -> None:
         """Give up the run folder's lock (rank 0)."""
@@ -293,7 +318,9 @@ class Trainer:
                 self.save()
             if self.val_ids and self.stopped:
                 self.validate(self.state.epoch)
+            self.checkpoints.wait()  # the last checkpoint is on disk before the run says it is done
         finally:
+            self.finish_saving()
             if self.runlog is not None:
                 self.runlog.close()
         if self.dist.rank == 0:
@@ -358,7 +385,7 @@ class Trainer:
         metrics, gnorm, lr = self.learner.step(item.micro)
         self.step += 1
         self.state.step_in_epoch = item.step_in_epoch + 1
-        self.window.add(item, waited, metrics)
+        self.window.add(item, waited, metrics, self.learner.last_flops)
         save = self.step % self.cfg.save_every == 0 or self.step == self.save_at  # before a log line moves save_at
         if self.step >= self.next_log:
             self.log_window(epoch, gnorm, lr)
@@ -367,14 +394,15 @@ class Trainer:
 
     # -- beside the loop -----------------------------------------------------------------------------------------
     def save(self) -> None:
-        """Checkpoint this step (rank 0 writes; every rank's RNGs go in), prune old ones, and keep it off the rate."""
+        """Checkpoint this step (rank 0 snapshots, its checkpointer writes in the background; every rank's RNGs go
+        in), prune old ones, and keep it off the rate."""
         t0 = time.perf_counter()
         rngs = self.dist.gather(rng_state())
         if self.dist.rank == 0:
             extra = {"step": self.step, "total_steps": self.learner.total, "rng": rngs, "config": self.cfg.to_dict()}
-            folder = self.checkpoints.save(self.step, self.learner.model, self.parts(), extra)
-            self.checkpoints.prune()
-            log.info("saved %s", folder)
+            # The loop pays for host copies only; the checkpointer's thread serialises, writes and publishes.
+            snap = self.checkpoints.snapshot(self.step, self.learner.model, self.parts(), extra)
+            self.checkpoints.save_in_background(snap)
         self.last_saved, self.saved_time = self.step, time.perf_counter()
         self.dist.barrier()
         self.window.start += time.perf_counter() - t0  # a save is not training time: keep it out of tokens/s
@@ -404,10 +432,12 @@ class Trainer:
         win, dist = self.window, self.dist
         B1 = self.dcfg.block_size - 1
         vec = win.metrics.to_tensor() if win.metrics is not None else Metrics(0.0, 0.0, [0] * B1, [0] * B1, 0, 0).to_tensor()
-        extra = torch.tensor([win.tokens, win.wait], dtype=torch.float64)
+        extra = torch.tensor([win.tokens, win.wait, win.flops], dtype=torch.float64)
         both = dist.all_reduce(torch.cat([vec, extra]).to(dist.device)).cpu()
-        m = Metrics.from_tensor(both[:-2])
+        m = Metrics.from_tensor(both[:-3])
+        tokens, wait, flops = (float(x) for x in both[-3:])
         elapsed = time.perf_counter() - win.start
+        peak = self.peak * dist.world if self.peak else None
         if self.runlog is not None:
             rate = (time.perf_counter() - self.started) / max(1, self.step - self.start_step)
             counted = sum(m.slot_count)
@@ -415,8 +445,12 @@ class Trainer:
                 "split": "train", "step": self.step, "epoch": epoch, "loss": m.loss,
                 "acc": sum(m.slot_correct) / counted if counted else float("nan"), "tau_hat": m.tau_hat,
                 "streak": m.tau_hat - 1.0, "slot_accuracy": m.slot_accuracy, "lr": lr,
-                "grad_norm": gnorm, "tokens_per_s": float(both[-2]) / max(elapsed, 1e-9),
-                "data_wait": float(both[-1]) / dist.world / max(elapsed, 1e-9),
+                "grad_norm": gnorm, "tokens_per_s": tokens / max(elapsed, 1e-9),
+                # Query tokens (blocks x block size) and MFU compare runs whose samples differ in length.
+                "query_tokens_per_s": m.blocks * self.dcfg.block_size / max(elapsed, 1e-9),
+                "tflops_per_s": flops / max(elapsed, 1e-9) / 1e12,
+                "mfu": flops / max(elapsed, 1e-9) / peak if peak else None,
+                "data_wait": wait / dist.world / max(elapsed, 1e-9),
                 "prefetch_depth": self.stream.depth() if self.stream is not None else 0,
                 "eta_s": rate * max(0, self.learner.total - self.step), "blocks": m.blocks,
             })

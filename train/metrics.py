@@ -86,10 +86,13 @@ class RunLog:
         self.write(record)
         step = record["step"]
         if self.tb is not None:
-            for key in ("loss", "acc", "tau_hat", "lr", "grad_norm", "tokens_per_s", "data_wait"):
+            for key in ("loss", "acc", "tau_hat", "lr", "grad_norm", "tokens_per_s", "query_tokens_per_s", "data_wait"):
                 self.tb.add_scalar(f"{record.get('split', 'train')}/{key}", record[key], step)
         text = (f"loss {record['loss']:.4f} acc {record['acc']:.3f} tau {record['tau_hat']:.3f} "
-                f"lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} tok/s wait {record['data_wait']:.0%}")
+                f"lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} ctx tok/s "
+                f"{record.get('query_tokens_per_s', 0):,.0f} query tok/s"
+                + (f" MFU {record['mfu']:.1%}" if record.get("mfu") is not None else "")
+                + f" wait {record['data_wait']:.0%}")
         if self.progress.bar is None:
             text = (f"epoch {record['epoch']}: {text} gnorm {record['grad_norm']:.3f} "
                     f"prefetch {record['prefetch_depth']}")

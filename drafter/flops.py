@@ -1,0 +1,38 @@
+"""What a drafter training step costs in FLOPs, counted from a packed batch's shapes, and the devices' peaks."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .batch import PackedBatch
+    from .model import DrafterConfig
+
+__all__ = ["step_flops", "peak_flops", "H200_BF16_PEAK"]
+
+H200_BF16_PEAK = 989.5e12  # dense bf16 tensor-core FLOP/s of an H100/H200 SXM (the vendor's datasheet)
+# Dense bf16 peaks by device name, for MFU; a device not listed reports no MFU rather than a guess.
+_PEAKS = {"H200": H200_BF16_PEAK, "H100": H200_BF16_PEAK, "A100": 312e12}
+
+
+def step_flops(cfg: "DrafterConfig", batch: "PackedBatch") -> dict[str, float]:
+    """Return the FLOPs of one forward + backward, by part, counted from the shapes of the batch."""
+    H, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    hq, hkv, L = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_hidden_layers
+    Q = batch.num_blocks * cfg.block_size
+    N = batch.ctx_pos.shape[0]
+    rows = int((batch.weights[:, 1:] > 0).sum())
+    keys = float((batch.anchor_pos + cfg.block_size).sum()) * cfg.block_size  # visible keys summed over queries
+    per_layer_block = 2 * Q * (H * hq + 2 * H * hkv + hq * H + 3 * H * I)
+    per_layer_ctx = 2 * N * (2 * H * hkv)
+    attn = 4 * keys * hq  # QK^T and PV over the visible keys only
+    return {
+        "layers": 3 * L * (per_layer_block + per_layer_ctx),
+        "attention": 3 * L * attn,
+        "fc": 2 * 2 * N * len(cfg.target_layer_ids) * H * H,
+        "lm_head": 2 * 2 * rows * H * cfg.vocab_size,
+    }
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Return the dense bf16 FLOP/s of a CUDA device by its name, or None when it is not known."""
+    return next((v for k, v in _PEAKS.items() if k in device_name), None)

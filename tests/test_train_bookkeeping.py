@@ -1,0 +1,58 @@
+"""Training never waits on its own bookkeeping: checkpoints written in the background, comparable throughput."""
+from __future__ import annotations
+
+import torch
+
+from dflash.train.checkpoint import Checkpointer, find_checkpoint, read_trainer_state
+from dflash.train.metrics import read_metrics
+from test_train_run import opts, store, toy_data, train  # noqa: F401  (fixtures)
+
+
+class _Part:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict:
+        return {"t": self.t, "nested": [self.t, (self.t,)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.t = state["t"]
+
+
+def test_a_background_checkpoint_holds_the_state_of_its_step(tmp_path, tiny_qwen3, store):  # noqa: F811
+    from safetensors.torch import load_file
+
+    from dflash.drafter.model import DFlashDrafter, DrafterConfig
+
+    cfg = DrafterConfig.from_target(str(tiny_qwen3), target_layer_ids=(1, 2), mask_token_id=1, draft_layers=1,
+                                    block_size=4)
+    model = DFlashDrafter(cfg)
+    part = _Part(torch.zeros(3))
+    ckpt = Checkpointer(tmp_path / "run", keep=1)
+    snap = ckpt.snapshot(5, model, {"opt": part}, {"step": 5})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # Training goes on while the write runs: the snapshot must not see it.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    part.t.add_(7.0)
+    ckpt.save_in_background(snap)
+    folder = ckpt.wait()
+    assert folder == ckpt.step_dir(5) and find_checkpoint(tmp_path / "run") == folder
+    saved = load_file(str(folder / "model.safetensors"))
+    assert all(torch.equal(saved[k], before[k]) for k in before)
+    state = read_trainer_state(folder)
+    assert torch.equal(state["opt"]["t"], torch.zeros(3)) and state["step"] == 5
+    # A second background save waits for the first, prunes to --keep, and leaves no temp folder.
+    ckpt.save_in_background(ckpt.snapshot(6, model, {"opt": part}, {"step": 6}))
+    assert ckpt.wait() == ckpt.step_dir(6)
+    assert [s for s, _ in ckpt.folders()] == [6]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*"))
+
+
+def test_the_log_gives_query_tokens_and_flops_beside_context_tokens(tmp_path, tiny_qwen3, store):  # noqa: F811
+    run = tmp_path / "run"
+    train(**opts(store, tiny_qwen3, run, epochs=1, max_steps=3))
+    steps = [r for r in read_metrics(run) if r.get("split") == "train"]
+    assert steps and all(r["query_tokens_per_s"] > 0 and r["tflops_per_s"] > 0 for r in steps)
+    assert all(r["mfu"] is None for r in steps)  # a CPU has no known peak: no made-up MFU

@@ -5,13 +5,16 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, InputError
 from ..facts import NUM_FEATURE_LAYERS, build_target_layer_ids, validate_layer_ids
 from .data import Row, fingerprint, input_files
 from .plan import default_shard_size, shard_ranges
 from .template import text_hash
+
+if TYPE_CHECKING:
+    from ..config import ExtractConfig
 
 __all__ = ["resolve_mask_token", "resolve_layers", "estimate_tokens_per_row", "build_header", "tokenizer_hash",
            "target_fingerprint", "in_form_of"]
@@ -144,7 +147,7 @@ def in_form_of(header: dict[str, Any], stored: dict[str, Any] | None) -> dict[st
     return legacy
 
 
-def build_header(cfg: Any, model_config: Any, tokenizer: Any, template: str, rows: list[Row]) -> dict[str, Any]:
+def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, template: str, rows: list[Row]) -> dict[str, Any]:
     """Return the header this run's store must have; any difference from an existing store is a mismatch."""
     num_layers = int(model_config.num_hidden_layers)
     layer_ids = resolve_layers(cfg.layers, num_layers)

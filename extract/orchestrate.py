@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -11,6 +11,9 @@ from ..config import resolve_devices
 from ..runtime import launch, ranks_from_env
 from ..errors import InputError
 from .data import read_rows
+
+if TYPE_CHECKING:
+    from ..config import ExtractConfig
 
 __all__ = ["run"]
 
@@ -66,7 +69,7 @@ def _worker_main(cfg_dict: dict[str, Any], spec: Any, report: Any) -> dict[str, 
     return run_worker(ExtractConfig.from_dict(cfg_dict), spec, None, report)
 
 
-def _run_spawned(cfg: Any, specs: list[Any], progress: Any) -> list[dict[str, Any]]:
+def _run_spawned(cfg: "ExtractConfig", specs: list[Any], progress: Any) -> list[dict[str, Any]]:
     """Return the results of one worker process per device, folding their events into progress as they come.
 
     A failed worker leaves the others to finish (and commit) their shards; a rerun redoes the rest.
@@ -75,7 +78,7 @@ def _run_spawned(cfg: Any, specs: list[Any], progress: Any) -> list[dict[str, An
                   on_event=progress.update, stop_all_on_error=False)
 
 
-def run(cfg: Any) -> dict[str, Any]:
+def run(cfg: "ExtractConfig") -> dict[str, Any]:
     """Return the run summary after extracting every uncommitted shard of cfg.out (rerun the same config to resume)."""
     from transformers import AutoConfig, AutoTokenizer
 

@@ -6,11 +6,14 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import InputError, StoreError
 from .data import BadRowLog, Row
 from .plan import shard_ranges
+
+if TYPE_CHECKING:
+    from ..config import ExtractConfig
 
 __all__ = ["WorkerSpec", "auto_writer_threads", "prepare_shard", "run_worker", "fill_shards"]
 
@@ -96,7 +99,7 @@ def _disk_full(e: BaseException) -> bool:
     return False
 
 
-def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Report) -> dict[str, Any]:
+def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, report: Report) -> dict[str, Any]:
     """Return this worker's totals after it has filled every shard it could claim; report() gets progress events."""
     import torch
     from transformers import AutoTokenizer

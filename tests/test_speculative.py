@@ -133,6 +133,26 @@ def test_compare_on_prompts_reports_tau_and_forwards(tiny_qwen3, target, layer_i
     assert [i for i, _ in seen] == [0, 1, 2]
 
 
+def test_a_run_folder_with_its_record_opens_its_newest_checkpoint(tiny_qwen3, layer_ids, tmp_path):
+    from dflash.drafter.files import save_drafter_files
+    from dflash.train.checkpoint import resolve_drafter, write_run_record
+
+    run = tmp_path / "run"
+    record = {"config": {"batch_tokens": 64, "anchors": 4}, "resolved": {"val_shards": [1]}}
+    run.mkdir()
+    write_run_record(run, record)  # RUN/config.json beside RUN/checkpoints/, as `dflash train` leaves it
+    for step, seed in ((9, 1), (10, 2), (100, 3)):  # 100 sorts before 9 and 10 by name, not by step
+        save_drafter_files(_drafter(tiny_qwen3, layer_ids, 4, seed=seed), run / "checkpoints" / f"step-{step:06d}")
+    newest = _drafter(tiny_qwen3, layer_ids, 4, seed=3)
+    (run / "checkpoints" / "step-000200").mkdir()  # a newer folder without the drafter's files is passed over
+    for given in (run, str(run)):
+        folder, rec = resolve_drafter(given)
+        assert folder == run / "checkpoints" / "step-000100" and rec == record
+        assert torch.equal(open_drafter(given).fc.weight, newest.fc.weight)
+    folder, rec = resolve_drafter(run / "checkpoints" / "step-000010")  # one checkpoint: that one, same record
+    assert folder.name == "step-000010" and rec == record
+
+
 def test_open_drafter_names_the_missing_folder(tmp_path):
     with pytest.raises(InputError, match="no folder"):
         open_drafter(tmp_path / "nowhere")

@@ -72,8 +72,8 @@ def drafter_proposer(drafter: DFlashDrafter, target: Any) -> Proposer:
     """Return the Proposer that drafts greedily with a DFlash drafter and the target's own embedding and lm_head.
 
     The context's projection (fc + hidden_norm, one row per token) is kept between calls and only new rows are
-    projected: a decoding's context only grows, and re-projecting all of it for every block (5H x H multiply-adds a
-    token: ~415M at a 250-token SmolLM2 context) cost about what the target's 4-token verification does. The cache is reused only while the context still ends its cached part with the same
+    projected: a decoding's context only grows, so re-projecting all of it for every block is waste (measured on
+    the 2-core CPU, SmolLM2 shape, 250-token context: 30.7 -> 29.2 ms a block; the 49K-row lm_head dominates). The cache is reused only while the context still ends its cached part with the same
     features row (a new prompt, or any other context, starts it again).
     """
     dtype = drafter.fc.weight.dtype

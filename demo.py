@@ -222,7 +222,7 @@ def _decode(out: Path, cfg: "DemoConfig", budget: Budget, prompts: list[list[int
         for i in range(len(rows), len(prompts)):
             row = compare_one(target, propose, prompts[i], block_size=drafter.config.block_size,
                               layer_ids=drafter.config.target_layer_ids, max_new_tokens=budget.decode_tokens,
-                              stop_ids=stops)
+                              stop_ids=stops, parity=True)
             rows.append(row)
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -293,7 +293,8 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         from .train.evaluate import run_eval
 
         r = run_eval(EvalConfig(drafter=str(run_dir), store=str(store_dir)))
-        return {k: r[k] for k in ("tau_hat", "loss", "acc", "accept_rate", "blocks", "tokens", "shards")}
+        return {k: r[k] for k in ("tau_hat", "loss", "acc", "slot_accuracy", "accept_rate", "blocks", "tokens",
+                                  "shards", "tokens_trained_on", "held_out_samples")}
 
     def export() -> dict[str, Any]:
         from .train.export import export_drafter
@@ -324,36 +325,79 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         "training_seconds": tr_r["seconds"],
         "training_steps": tr_r["steps"],
         "drafter": f"{budget.draft_layers} layers, block {budget.block_size}",
+        "tokens_trained_on": ev_r.get("tokens_trained_on"),
+        "held_out_prompts": (ev_r["held_out_samples"] // rows_per_prompt) if "held_out_samples" in ev_r else None,
         "tau_hat": round(ev_r["tau_hat"], 3),
+        "slot_accuracy": [round(a, 3) for a in ev_r.get("slot_accuracy", [])],
         "tau": round(dec_r["tau"], 3),
+        # Teacher-forced over the decoded answers: at the anchors decoding used, and at every anchor (eval's way).
+        "tau_hat_decoded_same_anchors": _rounded(dec_r.get("tau_hat_same_anchors")),
+        "tau_hat_decoded_every_anchor": _rounded(dec_r.get("tau_hat_every_anchor")),
+        "parity_blocks_differ": dec_r.get("blocks_differ"),
         "held_out_prompts_decoded": dec_r["prompts"],
         "speedup_target_forwards": round(dec_r["speedup_forwards"], 3),
         "forwards_greedy": dec_r["forwards_greedy"],
         "forwards_speculative": dec_r["forwards_speculative"],
+        "speedup_wall_clock": round(dec_r["seconds_greedy"] / dec_r["seconds_speculative"], 3)
+        if dec_r["seconds_speculative"] else None,
+        "seconds_greedy": round(dec_r["seconds_greedy"], 1),
+        "seconds_speculative": round(dec_r["seconds_speculative"], 1),
         "identical_to_greedy": bool(dec_r["identical"]),
         "identical_prompts": dec_r["identical_prompts"],
         "stage_seconds": {k: state.data["stages"][k]["seconds"] for k in STAGES},
         "this_run_seconds": round(time.perf_counter() - started, 1),
         "training_curve": str(out / CURVE_FILE) if (out / CURVE_FILE).is_file() else None,
+        "drafter_folder": str(drafter_dir),
+        "summary": str(out / SUMMARY_FILE),
     }
     write_atomic(out / SUMMARY_FILE, json.dumps(table, indent=2) + "\n")
     return table
 
 
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def _wall_clock(t: dict[str, Any]) -> str:
+    """Return the wall-clock speed-up said plainly: faster or slower, and why slower where it is."""
+    w = t.get("speedup_wall_clock")
+    if w is None:
+        return "not timed"
+    times = f"{w:.2f}x ({t['seconds_greedy']:.1f} s greedy -> {t['seconds_speculative']:.1f} s)"
+    if w >= 1:
+        return f"{times}, faster"
+    why = ("on a CPU the drafter's forwards cost more than the target forwards they save" if t["device"] == "cpu"
+           else "the drafter's forwards cost more than the target forwards they save")
+    return f"{times}, slower: {why}"
+
+
 def format_table(t: dict[str, Any]) -> str:
     """Return the final table as aligned text lines."""
+    held = f", {t['held_out_prompts']} prompts held out" if t.get("held_out_prompts") is not None else ""
+    trained = f", trained on {t['tokens_trained_on']:,} tokens" if t.get("tokens_trained_on") is not None else ""
+    same = t.get("tau_hat_decoded_same_anchors")
     rows = [
         ("target", f"{t['target']} on {t['device']}"),
-        ("tokens extracted", f"{t['tokens_extracted']:,} ({t['prompts_answered']} prompts answered)"),
+        ("tokens extracted", f"{t['tokens_extracted']:,} ({t['prompts_answered']} prompts answered{held})"),
         ("store size", f"{t['store_bytes'] / 1e6:.1f} MB"),
-        ("training time", f"{t['training_seconds']:.0f} s ({t['training_steps']} steps, drafter {t['drafter']})"),
+        ("training time", f"{t['training_seconds']:.0f} s ({t['training_steps']} steps, drafter {t['drafter']}"
+                          f"{trained})"),
         ("tau_hat (held-out, teacher-forced)", f"{t['tau_hat']:.2f}"),
+        ("per-slot accuracy (held-out)", " ".join(f"{a:.3f}" for a in t.get("slot_accuracy", [])) or "-"),
         ("tau (measured, held-out prompts)", f"{t['tau']:.2f} over {t['held_out_prompts_decoded']} prompts"),
+    ]
+    if same is not None:
+        rows.append(("tau_hat on the decoded answers", f"{same:.2f} at the anchors decoding used, "
+                                                       f"{t['tau_hat_decoded_every_anchor']:.2f} at every anchor"))
+    rows += [
         ("speed-up in target forwards", f"{t['speedup_target_forwards']:.2f}x "
                                         f"({t['forwards_greedy']} greedy -> {t['forwards_speculative']})"),
+        ("speed-up in wall clock", _wall_clock(t)),
         ("output identical to greedy", f"{'yes' if t['identical_to_greedy'] else 'no'} "
                                        f"({t['identical_prompts']}/{t['held_out_prompts_decoded']} prompts)"),
         ("stage seconds", ", ".join(f"{k} {v:.0f}" for k, v in t["stage_seconds"].items())),
     ]
+    rows += [(name, t[key]) for name, key in (("drafter folder", "drafter_folder"), ("training curve", "training_curve"),
+                                              ("this table", "summary")) if t.get(key)]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -291,17 +291,25 @@ class DFlashDrafter(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self._rope_scale).to(like.dtype), (emb.sin() * self._rope_scale).to(like.dtype)
 
-    def forward(self, features: torch.Tensor, ctx_pos: torch.Tensor, block_embeds: torch.Tensor,
-                block_pos: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """Return the final-normed hidden states [Q, H] of the block tokens.
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Return hidden_norm(fc(features)) [N, H]: the context every layer attends to, one row per token.
 
-        features [N, n*H] are the target features of every context token (any packing), ctx_pos [N] their
-        positions, block_embeds [Q, H] the target embeddings of the block tokens and block_pos [Q] their positions.
-        `attend` sees keys laid out as [N context ; Q block] and applies the mask that packing implies.
+        Row i depends on token i's features alone, so a decoder may project new context rows as they come.
         """
         if features.dim() == 3:  # [N, n, H] as stored -> [N, n*H], layer-major as the reference concatenates
             features = features.flatten(1)
-        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def forward(self, features: torch.Tensor, ctx_pos: torch.Tensor, block_embeds: torch.Tensor,
+                block_pos: torch.Tensor, attend: Attend, *, projected: bool = False) -> torch.Tensor:
+        """Return the final-normed hidden states [Q, H] of the block tokens.
+
+        features [N, n*H] are the target features of every context token (any packing), or with projected=True
+        their `project_context` [N, H]; ctx_pos [N] their positions, block_embeds [Q, H] the target embeddings of
+        the block tokens and block_pos [Q] their positions.
+        `attend` sees keys laid out as [N context ; Q block] and applies the mask that packing implies.
+        """
+        ctx = features.to(self.fc.weight.dtype) if projected else self.project_context(features)
         x = block_embeds.to(self.fc.weight.dtype)
         rope_x, rope_ctx = self._rope(x, block_pos), self._rope(x, ctx_pos)
         for i, layer in enumerate(self.layers):
@@ -341,12 +349,15 @@ def draft_logits(
     embed_weight: torch.Tensor,
     lm_head_weight: torch.Tensor,
     anchor_pos: int | None = None,
+    *,
+    projected: bool = False,
 ) -> torch.Tensor:
     """Return the draft logits [B-1, V] of one block, computed the way inference does.
 
-    context_features [S, n*H] (or [S, n, H]) are the target features of the accepted tokens at positions 0..S-1;
-    the block is the anchor token (the last accepted one, at position `anchor_pos`, default S) then B-1 mask
-    tokens. Only context positions < anchor_pos are used. No packing, no block mask: one block alone.
+    context_features [S, n*H] (or [S, n, H]) are the target features of the accepted tokens at positions 0..S-1,
+    or with projected=True their `model.project_context` [S, H]; the block is the anchor token (the last accepted
+    one, at position `anchor_pos`, default S) then B-1 mask tokens. Only context positions < anchor_pos are used.
+    No packing, no block mask: one block alone.
     """
     cfg = model.config
     S = context_features.shape[0]
@@ -367,5 +378,5 @@ def draft_logits(
             masks.append((dist.abs() < cfg.sliding_window)[None, None])
         else:
             masks.append(None)
-    hidden = model(ctx, ctx_pos, F.embedding(ids, embed_weight), block_pos, _sdpa_attend(masks))
+    hidden = model(ctx, ctx_pos, F.embedding(ids, embed_weight), block_pos, _sdpa_attend(masks), projected=projected)
     return (hidden[1:] @ lm_head_weight.to(hidden.dtype).T).to(torch.promote_types(hidden.dtype, torch.float32))

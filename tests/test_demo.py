@@ -66,7 +66,16 @@ def test_demo_tiny_budget_survives_a_kill_and_ends_in_the_table(tmp_path):
     assert (out / "drafter" / "config.json").is_file()
     decoded = [json.loads(ln) for ln in (out / "decode.jsonl").read_text().splitlines()]
     assert len(decoded) == 2 and all(r["identical"] for r in decoded)
-    for line in (r"tau \(measured", "tau_hat", r"speed-up in target forwards\s+\d", r"output identical to greedy\s+yes"):
+    # What the table reports beside tau: tau_hat on the decoded answers, the data, both speed-ups, where things are.
+    assert table["parity_blocks_differ"] == 0  # decoding handed the drafter what teacher forcing does
+    assert table["tau_hat_decoded_same_anchors"] >= table["tau"] and table["tau_hat_decoded_every_anchor"] >= 1.0
+    assert len(table["slot_accuracy"]) == 3 and table["held_out_prompts"] >= 2
+    assert 0 < table["tokens_trained_on"] < table["tokens_extracted"]
+    assert table["speedup_wall_clock"] == pytest.approx(table["seconds_greedy"] / table["seconds_speculative"], rel=0.05)
+    assert table["drafter_folder"] == str(out / "drafter") and table["summary"] == str(out / "summary.json")
+    for line in (r"tau \(measured", "tau_hat", r"speed-up in target forwards\s+\d", r"output identical to greedy\s+yes",
+                 r"speed-up in wall clock\s+\d", r"per-slot accuracy", r"tau_hat on the decoded answers",
+                 "drafter folder", "training curve"):
         assert re.search(line, done.stdout), line
 
 
@@ -93,6 +102,28 @@ def test_format_table_names_every_number():
     })
     assert "1,234" in text and "5.0 MB" in text and "2.25 over 2 prompts" in text and "2.00x (40 greedy -> 20)" in text
     assert "no (1/2 prompts)" in text
+
+
+def test_format_table_says_plainly_when_speculative_decoding_is_slower_on_the_clock():
+    from dflash.demo import format_table
+
+    base = {
+        "target": "t", "device": "cpu", "tokens_extracted": 1234, "prompts_answered": 3, "store_bytes": 5_000_000,
+        "training_seconds": 12.0, "training_steps": 7, "drafter": "1 layers, block 4", "tau_hat": 2.5, "tau": 2.25,
+        "held_out_prompts_decoded": 2, "speedup_target_forwards": 1.21, "forwards_greedy": 40,
+        "forwards_speculative": 33, "identical_to_greedy": True, "identical_prompts": 2,
+        "stage_seconds": {"generate": 3.0}, "speedup_wall_clock": 0.65, "seconds_greedy": 62.3,
+        "seconds_speculative": 95.8, "slot_accuracy": [0.5, 0.25], "tokens_trained_on": 999, "held_out_prompts": 4,
+        "tau_hat_decoded_same_anchors": 2.4, "tau_hat_decoded_every_anchor": 2.6, "drafter_folder": "/o/drafter",
+        "training_curve": "/o/training-curve.png", "summary": "/o/summary.json",
+    }
+    text = format_table(base)
+    assert "speed-up in target forwards         1.21x" in text
+    assert "0.65x (62.3 s greedy -> 95.8 s), slower" in text and "4 prompts held out" in text
+    assert "trained on 999 tokens" in text and "0.500 0.250" in text and "2.40 at the anchors decoding used" in text
+    for path in ("/o/drafter", "/o/training-curve.png", "/o/summary.json"):
+        assert path in text
+    assert "faster" in format_table({**base, "speedup_wall_clock": 1.5})
 
 
 def test_data_file_keeps_each_prompts_answers_together_in_prompt_order(tmp_path):

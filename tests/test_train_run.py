@@ -136,6 +136,11 @@ def test_loss_falls_and_the_run_folder_has_everything(store, tiny_qwen3, tmp_pat
     assert result["shards"] == val_ids and len(result["accept_rate"]) == 7
     assert result["tau_hat"] == pytest.approx(vals[-1]["tau_hat"]) and result["loss"] == pytest.approx(vals[-1]["loss"])
     assert result["accept_rate"] == sorted(result["accept_rate"], reverse=True)
+    # It says what the drafter learnt from and what it was scored on.
+    opened = Store.open(store)
+    assert result["tokens_trained_on"] == sum(opened.commit_record(i)["num_tokens"] for i in train_ids) > 0
+    assert result["held_out_samples"] == sum(opened.commit_record(i)["num_samples"] for i in val_ids) > 0
+    assert len(result["slot_accuracy"]) == 7
     # A finished run is not overwritten, and a resume with another model shape is refused by field.
     with pytest.raises(ConfigError, match="pass --resume"):
         train(**opts(store, tiny_qwen3, run, epochs=3))

@@ -165,7 +165,12 @@ def run_eval(cfg: "EvalConfig") -> dict[str, Any]:
     head = load_target_head(head_dir, dtype=torch.float32, device=device)
     out = evaluate_shards(model, head, store, ids, batch_tokens=batch_tokens, anchors=anchors, device=device,
                           attention="flex" if device.type == "cuda" else "sdpa", skip_corrupt=cfg.skip_corrupt)
-    out.update(drafter=str(folder), store=cfg.store, split=split)
+    # The other committed shards are the ones trained on (unknown when every shard is scored).
+    trained = sorted(committed - set(ids))
+    out.update(drafter=str(folder), store=cfg.store, split=split,
+               tokens_trained_on=None if cfg.shards == "all" else
+               sum(int(store.commit_record(i).get("num_tokens", 0)) for i in trained),
+               held_out_samples=sum(int(store.commit_record(i).get("num_samples", 0)) for i in out["shards"]))
     return out
 
 
@@ -175,7 +180,9 @@ def format_eval(result: dict[str, Any]) -> str:
         f"drafter    {result['drafter']}",
         f"store      {result['store']} ({result['split']}: {len(result['shards'])} shards, {result['tokens']:,} tokens, "
         f"{result['blocks']:,} blocks)",
-        f"tau_hat    {result['tau_hat']:.3f}",
+        f"tau_hat    {result['tau_hat']:.3f} (teacher-forced, {result['held_out_samples']:,} samples"
+        + (f"; trained on {result['tokens_trained_on']:,} tokens of the other shards)"
+           if result.get("tokens_trained_on") is not None else ")"),
         f"loss       {result['loss']:.4f}   acc {result['acc']:.3f}",
         "slot       " + " ".join(f"{k + 1:>5d}" for k in range(len(result["slot_accuracy"]))),
         "accuracy   " + " ".join(f"{a:5.3f}" for a in result["slot_accuracy"]),

@@ -43,6 +43,8 @@ def _batched(folder, tokenizer, chats, prompts, tokens: int, batch: int, stops, 
 
     model = load_target(folder, device="cpu", dtype=dtype)
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:  # transformers 5.17's GGUF conversion names none (as `generate` handles)
+        tokenizer.pad_token = tokenizer.eos_token
     out = []
     for b in range(0, len(prompts), batch):
         texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in chats[b:b + batch]]

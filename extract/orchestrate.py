@@ -46,6 +46,28 @@ def _run_spawned(cfg: Any, specs: list[Any], progress: Any) -> list[dict[str, An
                   on_event=progress.update, stop_all_on_error=False)
 
 
+def _plan(cfg: Any, header: dict[str, Any], rows: list[Any], tokenizer: Any, template: str, devices: list[str]) -> Any:
+    """Return the plan (printed for --dry-run); StoreError when the shards still to write would not fit."""
+    from ..errors import ManifestMismatch, StoreError
+    from ..storage import Store
+    from .dry_run import check_fits, format_plan, make_plan
+    from .template import ChatEncoder
+
+    try:
+        committed = set(Store.open(cfg.out, expected=header).committed_ids())
+    except ManifestMismatch:
+        raise
+    except StoreError:  # no store yet (a damaged one is reported when it is opened for writing)
+        committed = set()
+    encoder = ChatEncoder(tokenizer, template, cfg.max_length)
+    plan = make_plan(cfg, header, rows, encoder, committed=committed, whole=cfg.dry_run, devices=devices)
+    if cfg.dry_run:
+        click.echo(format_plan(plan, cfg.out, cfg.codec))
+    else:
+        check_fits(plan, cfg.out)
+    return plan
+
+
 def run(cfg: Any) -> dict[str, Any]:
     """Return the run summary after extracting every uncommitted shard of cfg.out (rerun the same config to resume)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -68,10 +90,14 @@ def run(cfg: Any) -> dict[str, Any]:
     rows = read_rows(cfg.data)
     _report_bad_rows(rows, cfg.strict)
     header = build_header(cfg, model_config, tokenizer, template, rows)
-    store = Store.create_or_open(cfg.out, header)
     ranks = ranks_from_env()
     rank, local_rank = ranks.rank, (ranks.local_rank if ranks.world > 1 else None)
     devices = resolve_devices(cfg.gpus, local_rank)
+    if cfg.dry_run or not cfg.force:
+        plan = _plan(cfg, header, rows, tokenizer, template, devices)
+        if cfg.dry_run:
+            return {"plan": plan.to_dict()}
+    store = Store.create_or_open(cfg.out, header)
     plan = header["shard_plan"]
     committed = set(store.committed_ids())
     left = sum(

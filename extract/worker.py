@@ -12,7 +12,7 @@ from ..errors import InputError, StoreError
 from .data import BadRowLog, Row
 from .plan import shard_ranges
 
-__all__ = ["WorkerSpec", "prepare_shard", "run_worker", "fill_shards"]
+__all__ = ["WorkerSpec", "prepare_shard", "open_pipeline", "run_worker", "fill_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -74,32 +74,37 @@ def _disk_full(e: BaseException) -> bool:
     return False
 
 
-def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Report) -> dict[str, Any]:
-    """Return this worker's totals after it has filled every shard it could claim; report() gets progress events."""
+def open_pipeline(cfg: Any, header: dict[str, Any], device: str,
+                  on_batch: Callable[[int, int], None] | None = None) -> tuple[Any, Any]:
+    """Return (the chat encoder, the feature pipeline of the target on `device`) that a worker extracts with."""
     import torch
     from transformers import AutoTokenizer
 
-    from ..storage import Store
     from .capture import TargetRunner, load_target
-    from .data import read_rows
     from .pipeline import FeaturePipeline
     from .template import ChatEncoder, load_template
 
-    device = torch.device(spec.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    encoder = ChatEncoder(tokenizer, load_template(tokenizer, cfg.chat_template), cfg.max_length)
+    model = load_target(cfg.model, dev, getattr(torch, cfg.dtype))
+    runner = TargetRunner(model, header["layer_ids"])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return encoder, FeaturePipeline(runner, cfg.batch_tokens, pad_id=pad_id, on_batch=on_batch)
+
+
+def run_worker(cfg: Any, spec: WorkerSpec, rows: list[Row] | None, report: Report) -> dict[str, Any]:
+    """Return this worker's totals after it has filled every shard it could claim; report() gets progress events."""
+    from ..storage import Store
+    from .data import read_rows
+
     rows = rows if rows is not None else read_rows(cfg.data)
     header = spec.header
     store = Store.open(cfg.out, expected=header)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    encoder = ChatEncoder(tokenizer, load_template(tokenizer, cfg.chat_template), cfg.max_length)
-    model = load_target(cfg.model, device, getattr(torch, cfg.dtype))
-    runner = TargetRunner(model, header["layer_ids"])
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    pipeline = FeaturePipeline(
-        runner,
-        cfg.batch_tokens,
-        pad_id=pad_id,
+    encoder, pipeline = open_pipeline(
+        cfg, header, spec.device,
         on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}),
     )
     ranges = shard_ranges(len(rows), header["shard_plan"]["rows_per_shard"])

@@ -51,8 +51,11 @@ _STEP = re.compile(r"^step-(\d+)$")
 # TrainConfig fields that may change between a run and its resume; every other change is refused by name.
 RESUMABLE_CHANGES = frozenset(
     {"resume", "epochs", "max_steps", "save_every", "keep", "log_every", "tensorboard", "skip_corrupt",
-     "prefetch_shards", "gpus", "follow", "out", "store", "target"}
+     "prefetch_shards", "gpus", "follow", "out", "store", "target", "grad_accum"}
 )
+# Resolved facts that may change with them: another GPU count keeps the batches while the slots stay the same
+# (grad_accum = slots / world, see resume_grad_accum); resolved.num_slots itself is still checked.
+RESUMABLE_RESOLVED = ("resolved.store.path", "resolved.val_shards_note", "resolved.world_size")
 
 
 class Stateful(Protocol):
@@ -238,7 +241,7 @@ def check_resume(run: str | os.PathLike, saved: dict[str, Any], now: dict[str, A
     """Raise ManifestMismatch naming every field of the store, model shape, world or options that changed."""
     def resumable(key: str) -> bool:
         return ((key.startswith("config.") and key.split(".", 1)[1] in RESUMABLE_CHANGES)
-                or key.startswith("resolved.store.path") or key.startswith("resolved.val_shards_note"))
+                or key.startswith(RESUMABLE_RESOLVED))
 
     diffs = [f"{key}: run has {json.dumps(x)}, now {json.dumps(y)}"
              for key, x, y in nested_diff(saved, now, ignore=resumable)]

@@ -18,7 +18,7 @@ from .dist import Dist
 from .follow import FollowRounds, estimate_total
 from .metrics import RunLog, plot_run, require_tensorboard, truncate_metrics
 from .plan import LoaderState, Round, plan_round
-from .prepare import ShardLengths, drafter_config, lr_factor, prepare_run_folder, run_record
+from .prepare import ShardLengths, drafter_config, lr_factor, prepare_run_folder, resume_grad_accum, run_record
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -142,8 +142,8 @@ class Trainer:
 
         if cfg.tensorboard:
             require_tensorboard()
-        self.cfg = cfg
         self.dist = dist = Dist.setup(cfg.gpus)
+        self.cfg = cfg = resume_grad_accum(cfg, dist.world)
         self.store = wait_for_store(cfg.store) if cfg.follow else Store.open(cfg.store)
         self.dcfg = drafter_config(cfg, self.store)
         record = run_record(cfg, self.store, self.dcfg, dist.world)
@@ -199,6 +199,8 @@ class Trainer:
             self.resume(self.resume_from)
         else:
             self.start_fresh()
+            if self.cfg.resume and self.dist.rank == 0:
+                truncate_metrics(self.run, 0)  # steps a run killed before its first checkpoint logged are redone
         self.dist.barrier()
         if self.dist.rank == 0:
             self.runlog = RunLog(self.run, total_steps=self.learner.total, start_step=self.step,
@@ -214,6 +216,8 @@ class Trainer:
             first = (sum(self.plan(r, 0, i).steps for i, r in enumerate(self.state.rounds)) if self.state.rounds
                      else self.epoch_steps(0))
             learner.total = planned_total(self.epoch_steps, 1, cfg.epochs, cfg.max_steps, done=first)
+        # A rank beyond the saved ones (resumed on more GPUs) takes rank 0's generators: nothing in a step draws
+        # from them (anchors come from batch_seed, init from --seed), so losses do not depend on it.
         rank = self.dist.rank
         set_rng_state(ts["rng"][rank] if rank < len(ts["rng"]) else ts["rng"][0])
         if rank == 0:
@@ -335,6 +339,8 @@ class Trainer:
             folder = self.checkpoints.save(self.step, self.learner.model, self.parts(), extra)
             self.checkpoints.prune()
             log.info("saved %s", folder)
+            if self.runlog is not None:  # `dflash run` watches for it to stop training at a checkpoint
+                self.runlog.write({"event": "checkpoint", "step": self.step})
         self.last_saved = self.step
         self.dist.barrier()
         self.window.start += time.perf_counter() - t0  # a save is not training time: keep it out of tokens/s

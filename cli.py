@@ -10,7 +10,7 @@ from typing import Any, Callable
 import click
 
 from . import __version__
-from .config import DemoConfig, EvalConfig, ExtractConfig, GenerateConfig, TrainConfig
+from .config import DemoConfig, EvalConfig, ExtractConfig, GenerateConfig, RunConfig, TrainConfig, run_stage_options
 from .errors import ConfigError, DflashError
 
 log = logging.getLogger("dflash")
@@ -99,14 +99,18 @@ def _click_type(field: Any) -> Any:
     return _CLICK_TYPES.get(base, str)
 
 
-def config_options(cls: type, *, skip: tuple[str, ...] = ()) -> Callable:
-    """Add one click option per field of a stage config, with the default, choices and help its metadata holds."""
+def config_options(cls: type, *, skip: tuple[str, ...] = (), names: dict[str, str] | None = None) -> Callable:
+    """Add one click option per field of a stage config, with the default, choices and help its metadata holds.
+
+    names: only these fields, each under its given option name ({field: name}), as `dflash run` takes them.
+    """
     import dataclasses
 
     def decorate(f: Callable) -> Callable:
-        for field in reversed([x for x in dataclasses.fields(cls) if x.name not in skip]):
+        for field in reversed([x for x in dataclasses.fields(cls) if x.name not in skip
+                               and (names is None or x.name in names)]):
             meta = field.metadata
-            name = "--" + field.name.replace("_", "-")
+            name = "--" + (names or {}).get(field.name, field.name).replace("_", "-")
             required = field.default is dataclasses.MISSING
             kw: dict[str, Any] = {"help": meta.get("help"), "metavar": meta.get("metavar")}
             if field.type == "bool":
@@ -124,17 +128,21 @@ def config_options(cls: type, *, skip: tuple[str, ...] = ()) -> Callable:
     return decorate
 
 
-def make_config(cls: type, opts: dict[str, Any]) -> Any:
-    """Return the stage config of a command's parsed options: text parsed where a field says so, lists as tuples."""
+def make_config(cls: type, opts: dict[str, Any], names: dict[str, str] | None = None, **fixed: Any) -> Any:
+    """Return the stage config of a command's parsed options: text parsed where a field says so, lists as tuples.
+
+    names: {field: option name} where they differ (`dflash run`); fixed: field values given as they are.
+    """
     import dataclasses
 
     from . import config as config_mod
 
-    values = {}
+    values = dict(fixed)
     for field in dataclasses.fields(cls):
-        if field.name not in opts:
+        key = (names or {}).get(field.name, field.name)
+        if field.name in fixed or key not in opts:
             continue
-        value = opts[field.name]
+        value = opts[key]
         if field.metadata.get("parse"):
             value = getattr(config_mod, field.metadata["parse"])(value)
         elif isinstance(value, list):
@@ -196,6 +204,29 @@ def train(**opts: Any) -> None:
     from . import train as stage
 
     stage.run(cfg)
+
+
+@cli.command(name="run")
+@config_option
+@config_options(RunConfig)
+@config_options(ExtractConfig, names=run_stage_options(ExtractConfig))
+@config_options(TrainConfig, names=run_stage_options(TrainConfig))
+def run_(**opts: Any) -> int:
+    """Extract on some GPUs while training follows on others, restart what dies, grow training when extraction ends.
+
+    \b
+    --model is extract's --model and train's --target; --store is extract's --out and train's --store; --out is
+    train's run folder (logs in RUN/logs/). A stage option both stages have takes the stage's name:
+    --extract-batch-tokens, --train-batch-tokens, --extract-dtype, --train-dtype. Rerun the same command to resume.
+    """
+    cfg = make_config(RunConfig, opts)
+    extract_cfg = make_config(ExtractConfig, opts, run_stage_options(ExtractConfig), model=cfg.model, data=cfg.data,
+                              out=cfg.store, gpus=cfg.extract_gpus)
+    train_cfg = make_config(TrainConfig, opts, run_stage_options(TrainConfig), target=cfg.model, store=cfg.store,
+                            out=cfg.out, gpus=cfg.train_gpus, follow=True, resume=True)
+    from .run import supervise
+
+    return supervise(cfg, extract_cfg, train_cfg)
 
 
 @cli.command(name="eval")

@@ -78,6 +78,30 @@ def _run_spawned(cfg: "ExtractConfig", specs: list[Any], progress: Any) -> list[
                   on_event=progress.update, stop_all_on_error=False)
 
 
+def _plan(cfg: "ExtractConfig", header: dict[str, Any], rows: list[Any], tokenizer: Any, template: str, devices: list[str]) -> Any:
+    """Return the plan (printed for --dry-run); StoreError when the shards still to write would not fit."""
+    from ..errors import ManifestMismatch, StoreError
+    from ..storage import Store
+    from .dry_run import check_fits, estimate_plan, format_plan, make_plan
+    from .template import ChatEncoder
+
+    try:
+        committed = set(Store.open(cfg.out, expected=header).committed_ids())
+    except ManifestMismatch:
+        raise
+    except StoreError:  # no store yet (a damaged one is reported when it is opened for writing)
+        committed = set()
+    if not cfg.dry_run:
+        # A plain run checks an estimate (no second model load, no extra tokenising pass); --dry-run measures.
+        plan = estimate_plan(cfg, header, rows, committed)
+        check_fits(plan, cfg.out)
+        return plan
+    encoder = ChatEncoder(tokenizer, template, cfg.max_length)
+    plan = make_plan(cfg, header, rows, encoder, committed=committed, whole=True, devices=devices)
+    click.echo(format_plan(plan, cfg.out, cfg.codec))
+    return plan
+
+
 def run(cfg: "ExtractConfig") -> dict[str, Any]:
     """Return the run summary after extracting every uncommitted shard of cfg.out (rerun the same config to resume)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -108,6 +132,10 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
     # exists, so a refused run leaves no store behind.
     devices = resolve_devices(cfg.gpus, local_rank)
     header = in_form_of(build_header(cfg, model_config, tokenizer, template, rows), _stored_header(cfg.out))
+    if cfg.dry_run or not cfg.force:
+        plan = _plan(cfg, header, rows, tokenizer, template, devices)
+        if cfg.dry_run:
+            return {"plan": plan.to_dict()}
     # A store left by a run that failed before its first shard holds nothing: other options may take it over.
     store = Store.create_or_open(cfg.out, header, replace_skeleton=True)
     store.gc()  # temp files and claims of killed runs; never a live writer's (see Store.gc)

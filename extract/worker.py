@@ -15,7 +15,8 @@ from .plan import shard_ranges
 if TYPE_CHECKING:
     from ..config import ExtractConfig
 
-__all__ = ["WorkerSpec", "auto_writer_threads", "prepare_shard", "run_worker", "fill_shards"]
+__all__ = ["WorkerSpec", "auto_writer_threads", "prepare_shard", "open_encoder", "open_pipeline",
+           "run_worker", "fill_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -99,40 +100,58 @@ def _disk_full(e: BaseException) -> bool:
     return False
 
 
-def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, report: Report) -> dict[str, Any]:
-    """Return this worker's totals after it has filled every shard it could claim; report() gets progress events."""
-    import torch
+def open_encoder(cfg: "ExtractConfig") -> tuple[Any, int]:
+    """Return (the chat encoder a worker tokenises with, the tokenizer's pad id)."""
     from transformers import AutoTokenizer
 
-    from ..storage import Store
-    from .capture import TargetRunner, load_target
-    from .data import read_rows
-    from .pipeline import FeaturePipeline
     from .template import ChatEncoder, load_template
 
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    encoder = ChatEncoder(tokenizer, load_template(tokenizer, cfg.chat_template), cfg.max_length)
+    return encoder, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, pad_id: int,
+                     on_batch: Callable[[int, int], None] | None = None) -> Any:
+    """Return the feature pipeline of the target (loaded now) on `device`."""
+    import torch
+
+    from .capture import TargetRunner, load_target
+    from .pipeline import FeaturePipeline
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    runner = TargetRunner(load_target(cfg.model, dev, getattr(torch, cfg.dtype)), header["layer_ids"])
+    return FeaturePipeline(runner, cfg.batch_tokens, pad_id=pad_id, on_batch=on_batch)
+
+
+def open_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str,
+                  on_batch: Callable[[int, int], None] | None = None) -> tuple[Any, Any]:
+    """Return (the chat encoder, the feature pipeline of the target on `device`) that a worker extracts with."""
+    encoder, pad_id = open_encoder(cfg)
+    return encoder, feature_pipeline(cfg, header, device, pad_id, on_batch)
+
+
+def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, report: Report) -> dict[str, Any]:
+    """Return this worker's totals after it has filled every shard it could claim; report() gets progress events."""
+    from ..storage import Store
+    from .data import read_rows
+
     t_start = time.perf_counter()
-    device = torch.device(spec.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     rows = rows if rows is not None else read_rows(cfg.data)
     header = spec.header
     store = Store.open(cfg.out, expected=header)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    encoder = ChatEncoder(tokenizer, load_template(tokenizer, cfg.chat_template), cfg.max_length)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    encoder, pad_id = open_encoder(cfg)
     loaded: dict[str, float] = {}
 
     def make_pipeline() -> Any:
         # Called once the first shard is being tokenised: loading the model and tokenising overlap.
-        model = load_target(cfg.model, device, getattr(torch, cfg.dtype))
-        runner = TargetRunner(model, header["layer_ids"])
+        pipeline = feature_pipeline(
+            cfg, header, spec.device, pad_id,
+            on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}))
         loaded["load_s"] = time.perf_counter() - t_start
-        return FeaturePipeline(
-            runner,
-            cfg.batch_tokens,
-            pad_id=pad_id,
-            on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}),
-        )
+        return pipeline
 
     ranges = shard_ranges(len(rows), header["shard_plan"]["rows_per_shard"])
 

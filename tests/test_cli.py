@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from dflash import __version__
 from dflash.cli import cli, config_option, main
 
-COMMANDS = ["extract", "train", "eval", "export", "inspect", "verify", "generate", "demo"]
+COMMANDS = ["extract", "train", "run", "eval", "export", "inspect", "verify", "generate", "demo"]
 
 
 def run_dflash(*args: str, **kw) -> subprocess.CompletedProcess:

@@ -99,7 +99,11 @@ def test_loader_state_round_trips_and_refuses_another_world():
     other = LoaderState(world_size=2, num_slots=4, seed=3)
     other.load_state_dict(saved, "ckpt")
     assert other == state
-    with pytest.raises(ConfigError, match="world_size 2, this run has 3"):
+    # Another world with the same slots takes the same batches (elastic resume); other slots do not.
+    elastic = LoaderState(world_size=1, num_slots=4, seed=3)
+    elastic.load_state_dict(saved, "ckpt")
+    assert (elastic.epoch, elastic.step_in_epoch, elastic.rounds) == (1, 17, [[1], [2]])
+    with pytest.raises(ConfigError, match="num_slots 4, this run has 6"):
         LoaderState(world_size=3, num_slots=6, seed=3).load_state_dict(saved, "ckpt")
     with pytest.raises(ConfigError, match="seed"):
         LoaderState(world_size=2, num_slots=4, seed=4).load_state_dict(saved, "ckpt")

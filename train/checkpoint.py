@@ -63,8 +63,12 @@ _STEP = re.compile(r"^step-(\d+)$")
 # (val_fraction may: the split it resolves to, resolved.train_shards/val_shards, is compared instead.)
 RESUMABLE_CHANGES = frozenset(
     {"resume", "epochs", "max_steps", "save_every", "save_every_minutes", "keep", "log_every", "log_every_seconds",
-     "tensorboard", "skip_corrupt", "prefetch_shards", "gpus", "follow", "out", "store", "target", "val_fraction"}
+     "tensorboard", "skip_corrupt", "prefetch_shards", "gpus", "follow", "out", "store", "target", "val_fraction",
+     "grad_accum"}
 )
+# Resolved facts that may change with them: another GPU count keeps the batches while the slots stay the same
+# (grad_accum = slots / world, see resume_grad_accum); resolved.num_slots itself is still checked.
+RESUMABLE_RESOLVED = ("resolved.store.path", "resolved.val_shards_note", "resolved.world_size")
 
 
 def has_drafter_files(folder: Path) -> bool:
@@ -219,20 +223,23 @@ class Checkpointer:
         """Publish step-NNNNNN whole: the drafter's files and trainer.pt ({part: state_dict} plus extra); return it."""
         return self.write(self.snapshot(step, model, parts, extra))
 
-    def save_in_background(self, snap: Snapshot) -> None:
-        """Write (then prune) a snapshot on the checkpointer's thread; the previous write is finished first, so
-        folders appear in order and at most one snapshot waits in memory. Its errors surface at `wait`."""
+    def save_in_background(self, snap: Snapshot, on_saved: Any = None) -> None:
+        """Write (then prune) a snapshot on the checkpointer's thread, then call on_saved(step) there; the previous
+        write is finished first, so folders appear in order and at most one snapshot waits in memory. Its errors
+        surface at `wait`."""
         from concurrent.futures import ThreadPoolExecutor
 
         self.wait()
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="dflash-checkpoint")
-        self._pending = self._writer.submit(self._write_and_prune, snap)
+        self._pending = self._writer.submit(self._write_and_prune, snap, on_saved)
 
-    def _write_and_prune(self, snap: Snapshot) -> Path:
+    def _write_and_prune(self, snap: Snapshot, on_saved: Any) -> Path:
         folder = self.write(snap)
         self.prune()
         log.info("saved %s", folder)
+        if on_saved is not None:
+            on_saved(snap.step)
         return folder
 
     def wait(self) -> Path | None:
@@ -401,7 +408,7 @@ def check_resume(run: str | os.PathLike, saved: dict[str, Any], now: dict[str, A
     """Raise ManifestMismatch naming every field of the store, model shape, world or options that changed."""
     def resumable(key: str) -> bool:
         return ((key.startswith("config.") and key.split(".", 1)[1] in RESUMABLE_CHANGES)
-                or key.startswith("resolved.store.path") or key.startswith("resolved.val_shards_note"))
+                or key.startswith(RESUMABLE_RESOLVED))
 
     diffs = [f"{key}: run has {json.dumps(x)}, now {json.dumps(y)}"
              for key, x, y in nested_diff(saved, now, ignore=resumable)]

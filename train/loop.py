@@ -19,8 +19,8 @@ from .dist import Dist
 from .follow import FollowRounds, estimate_total
 from .metrics import RunLog, plot_run, require_tensorboard, truncate_metrics
 from .plan import LoaderState, Round, plan_round
-from .prepare import (ShardLengths, check_out_folder, drafter_config, lr_factor, prepare_run_folder, run_record,
-                      warn_cpu_sizes)
+from .prepare import (ShardLengths, check_out_folder, drafter_config, lr_factor, prepare_run_folder,
+                      resume_grad_accum, run_record, warn_cpu_sizes)
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -149,8 +149,8 @@ class Trainer:
 
         if cfg.tensorboard:
             require_tensorboard()
-        self.cfg = cfg
         self.dist = dist = Dist.setup(cfg.gpus)
+        self.cfg = cfg = resume_grad_accum(cfg, dist.world)
         if dist.rank == 0 and dist.device.type == "cpu":
             warn_cpu_sizes(cfg)
         self.store = wait_for_store(cfg.store) if cfg.follow else Store.open(cfg.store)
@@ -195,6 +195,11 @@ class Trainer:
         self.stream: Any = None
         self.runlog: RunLog | None = None
         self.peak = self.device_peak(dist.device)
+
+    def note_checkpoint(self, step: int) -> None:
+        """Record that step's checkpoint is published (metrics.jsonl: what `dflash run` waits for to grow)."""
+        if self.runlog is not None:
+            self.runlog.write({"event": "checkpoint", "step": step})
 
     @staticmethod
     def device_peak(device: Any) -> float | None:
@@ -250,6 +255,8 @@ class Trainer:
             if self.cfg.resume and self.dist.rank == 0:
                 truncate_metrics(self.run, 0)  # a killed attempt with no checkpoint: its steps are taken again
             self.start_fresh()
+            if self.cfg.resume and self.dist.rank == 0:
+                truncate_metrics(self.run, 0)  # steps a run killed before its first checkpoint logged are redone
         self.dist.barrier()
         if self.dist.rank == 0:
             self.runlog = RunLog(self.run, total_steps=self.learner.total, start_step=self.step,
@@ -265,6 +272,8 @@ class Trainer:
             first = (sum(self.plan(r, 0, i).steps for i, r in enumerate(self.state.rounds)) if self.state.rounds
                      else self.epoch_steps(0))
             learner.total = planned_total(self.epoch_steps, 1, cfg.epochs, cfg.max_steps, done=first)
+        # A rank beyond the saved ones (resumed on more GPUs) takes rank 0's generators: nothing in a step draws
+        # from them (anchors come from batch_seed, init from --seed), so losses do not depend on it.
         rank = self.dist.rank
         set_rng_state(ts["rng"][rank] if rank < len(ts["rng"]) else ts["rng"][0])
         if rank == 0:
@@ -402,7 +411,8 @@ class Trainer:
             extra = {"step": self.step, "total_steps": self.learner.total, "rng": rngs, "config": self.cfg.to_dict()}
             # The loop pays for host copies only; the checkpointer's thread serialises, writes and publishes.
             snap = self.checkpoints.snapshot(self.step, self.learner.model, self.parts(), extra)
-            self.checkpoints.save_in_background(snap)
+            # `dflash run` watches for the event to stop training at a checkpoint: it comes once published.
+            self.checkpoints.save_in_background(snap, on_saved=self.note_checkpoint)
         self.last_saved, self.saved_time = self.step, time.perf_counter()
         self.dist.barrier()
         self.window.start += time.perf_counter() - t0  # a save is not training time: keep it out of tokens/s

@@ -218,18 +218,19 @@ class LoaderState:
 
     def load_state_dict(self, state: dict[str, Any], where: str = "") -> None:
         """Take a saved state; ConfigError naming the field (and `where` it came from) if it was made for another
-        version, world or seed."""
+        version, slot count or seed. Another world size is fine: batches are a function of the slots alone."""
         where = f"{where}: " if where else ""
         if state.get("version") != LOADER_STATE_VERSION:
             raise ConfigError(
                 f"{where}loader state version {state.get('version')!r}, this dflash reads "
                 f"{LOADER_STATE_VERSION}; resume with the dflash version that wrote it or start a new --out"
             )
-        for key, mine in (("world_size", self.world_size), ("num_slots", self.num_slots), ("seed", self.seed)):
+        for key, mine in (("num_slots", self.num_slots), ("seed", self.seed)):
             if state.get(key) != mine:
                 raise ConfigError(
                     f"{where}loader state was saved with {key} {state.get(key)!r}, this run has {mine!r}; "
-                    f"resume with the same --gpus/--grad-accum/--seed, or start a new --out"
+                    f"resume with GPUs x --grad-accum = {state.get('num_slots')!r} and the same --seed, or start "
+                    "a new --out"
                 )
         self.epoch = int(state["epoch"])
         self.step_in_epoch = int(state["cursor"])

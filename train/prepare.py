@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from ..storage import Store
     from ..drafter.model import DrafterConfig
 
-__all__ = ["preflight", "check_out_folder", "warn_cpu_sizes", "drafter_config", "run_record", "prepare_run_folder",
-           "ShardLengths", "lr_factor"]
+__all__ = ["preflight", "check_out_folder", "warn_cpu_sizes", "drafter_config", "run_record",
+           "resume_grad_accum", "prepare_run_folder", "ShardLengths", "lr_factor"]
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,28 @@ def run_record(cfg: "TrainConfig", store: "Store", dcfg: "DrafterConfig", world:
             "val_shards": val_ids,
         },
     }
+
+
+def resume_grad_accum(cfg: "TrainConfig", world: int) -> "TrainConfig":
+    """Return cfg with the grad-accum that keeps a resumed run's slots on `world` ranks (cfg itself otherwise).
+
+    Batches are a function of the slots (world x grad-accum) alone, so a run resumed on another GPU count takes the
+    same global batches when grad-accum = recorded slots / world; ConfigError naming the counts that divide them.
+    """
+    import dataclasses
+
+    saved = read_run_record(cfg.out) if cfg.resume else None
+    slots = (saved or {}).get("resolved", {}).get("num_slots")
+    if not slots or world * cfg.grad_accum == slots:
+        return cfg
+    if slots % world:
+        fits = [n for n in range(1, slots + 1) if slots % n == 0]
+        raise ConfigError(
+            f"--resume {cfg.out}: the run has {slots} slots (GPUs x --grad-accum), which {world} GPU(s) cannot "
+            f"share; resume on {', '.join(map(str, fits))} GPU(s), or train into a new --out"
+        )
+    log.info("--resume on %d GPU(s): --grad-accum %d keeps the run's %d slots", world, slots // world, slots)
+    return dataclasses.replace(cfg, grad_accum=slots // world)
 
 
 def prepare_run_folder(cfg: "TrainConfig", record: dict[str, Any]) -> Path | None:

@@ -1,0 +1,50 @@
+"""The extract plan: --dry-run prints it and writes nothing, its projected bytes match the written store, and
+extract refuses a store that would not fit unless --force."""
+from __future__ import annotations
+
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from dflash.errors import StoreError
+from dflash.extract import run
+from dflash.storage import Store
+from test_extract_run import extract_config, one_torch_thread, write_conversations  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory) -> Path:
+    return write_conversations(tmp_path_factory.mktemp("plan") / "conv.jsonl", 40, seed=5)
+
+
+def store_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.mark.parametrize("codec", ["blosc", "none"])
+def test_dry_run_projects_the_written_store_within_5_percent(conversations, tiny_qwen3, tmp_path, capsys, codec):
+    out = tmp_path / "store"
+    plan = run(extract_config(tiny_qwen3, conversations, out, shard_size=10, codec=codec, dry_run=True))["plan"]
+    assert not out.exists(), "a dry run wrote something"
+    text = capsys.readouterr().out
+    assert "plan of" in text and "projected" in text and "free" in text and "tok/s per device" in text
+    assert plan["dropped"] == {"empty_content": 1, "malformed_json": 1, "unknown_role": 1}
+    assert plan["free_bytes"] > 0 and plan["extract_s"] is not None
+    summary = run(extract_config(tiny_qwen3, conversations, out, shard_size=10, codec=codec))
+    assert (plan["samples"], plan["tokens"]) == (summary["samples"], summary["tokens"])
+    assert plan["projected_bytes"] == pytest.approx(store_bytes(out), rel=0.05)
+
+
+def test_extract_refuses_a_store_larger_than_the_free_space_unless_forced(conversations, tiny_qwen3, tmp_path,
+                                                                           monkeypatch):
+    from dflash.extract import dry_run
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(dry_run.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    cfg = extract_config(tiny_qwen3, conversations, tmp_path / "store", shard_size=10)
+    with pytest.raises(StoreError, match=r"needs .* more but .* has 1.00 KB free; pass --codec fp8.*--force"):
+        run(cfg)
+    assert not (tmp_path / "store").exists()
+    run(extract_config(tiny_qwen3, conversations, tmp_path / "store", shard_size=10, force=True))
+    assert Store.open(str(tmp_path / "store")).is_complete()

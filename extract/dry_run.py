@@ -260,8 +260,7 @@ def check_fits(plan: ExtractPlan, out: str) -> None:
     if need is None or free is None or need <= free:
         return
     raise StoreError(
-        f"--out {out}: the store needs {_size(need)} more ({'measured' if plan.bytes_per_token else 'estimated'}; "
-        f"`dflash extract --dry-run` prints the plan) but {plan.free_path} has {_size(free)} free; "
+        f"--out {out}: the store needs {_size(need)} more but {plan.free_path} has {_size(free)} free; "
         "pass --codec fp8 (about 0.43x of raw bf16), extract fewer rows, choose another --out, or --force to "
-        "start anyway"
+        f"start anyway ({'measured' if plan.bytes_per_token else 'estimated from the data; --dry-run measures it'})"
     )

@@ -80,17 +80,15 @@ def _run_spawned(cfg: "ExtractConfig", specs: list[Any], progress: Any) -> list[
 
 def _plan(cfg: "ExtractConfig", header: dict[str, Any], rows: list[Any], tokenizer: Any, template: str, devices: list[str]) -> Any:
     """Return the plan (printed for --dry-run); StoreError when the shards still to write would not fit."""
-    from ..errors import ManifestMismatch, StoreError
+    from ..errors import StoreError
     from ..storage import Store
     from .dry_run import check_fits, estimate_plan, format_plan, make_plan
     from .template import ChatEncoder
 
     try:
         committed = set(Store.open(cfg.out, expected=header).committed_ids())
-    except ManifestMismatch:
-        raise
-    except StoreError:  # no store yet (a damaged one is reported when it is opened for writing)
-        committed = set()
+    except StoreError:  # no store yet, or another header's (opening it for writing reports it, or replaces a
+        committed = set()  # skeleton): its shards are not this run's
     if not cfg.dry_run:
         # A plain run checks an estimate (no second model load, no extra tokenising pass); --dry-run measures.
         plan = estimate_plan(cfg, header, rows, committed)

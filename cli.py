@@ -112,7 +112,9 @@ def config_options(cls: type, *, skip: tuple[str, ...] = ()) -> Callable:
             if field.type == "bool":
                 kw.update(is_flag=True, default=False)
             elif str(field.type).startswith("tuple[str"):
-                kw.update(multiple=True, required=True, type=str)
+                kw.update(multiple=True, required=required, type=str)
+                if not required:
+                    kw.update(default=field.default)
             else:
                 kw.update(type=_click_type(field), required=required)
                 if not required:  # a required option given a default (even None) would no longer be required first

@@ -90,7 +90,7 @@ class FastDecoder:
 
     def __init__(self, model: Any, *, slots: int, max_new_tokens: int, stop_ids: Iterable[int],
                  temperature: float = 0.0, seed: int = 0, prefill_tokens: int | None = None,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, sync_every: int | None = None) -> None:
         import torch
 
         why = fast_unsupported(model.config)
@@ -115,7 +115,7 @@ class FastDecoder:
         # Tokens per prefill forward: big enough to fill the device, small enough for the activations.
         self.prefill_tokens = prefill_tokens or (65536 if on_cuda else 4096)
         # How often the host looks at the finished flags: each look is a device sync.
-        self.sync_every = 8 if on_cuda else 1
+        self.sync_every = sync_every or (8 if on_cuda else 1)
 
     # ----- the model, layer by layer, over our cache -----
 

@@ -174,3 +174,17 @@ def test_prompts_or_self_prompts_is_required():
         GenerateConfig(model="m", prompts=None, out="o")
     with pytest.raises(ConfigError, match="exclude each other"):
         GenerateConfig(model="m", prompts="p", self_prompts=3, out="o")
+
+
+def test_cli_self_prompts_waives_prompts(tmp_path, capsys):
+    from dflash.cli import main
+
+    missing = tmp_path / "no-model"
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--self-prompts", "3", "--model", str(missing), "--out", str(tmp_path / "p.jsonl")])
+    assert exc.value.code == 2
+    assert f"--model {missing}: expected a Hugging Face model folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", str(missing), "--out", str(tmp_path / "p.jsonl")])
+    assert exc.value.code == 2
+    assert "Missing option '--prompts'" in capsys.readouterr().err

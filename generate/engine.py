@@ -171,13 +171,23 @@ class FastDecoder:
     # ----- state -----
 
     def _allocate(self, max_len: int) -> None:
+        """Allocate the KV cache and the per-slot state (a cache that would not fit is a ConfigError)."""
         torch, dev, B = self.torch, self.device, self.slots
         self.max_len = max_len
         shape = (B, self.kv_heads, max_len, self.head_dim)
+        need = 2 * len(self.inner.layers) * B * self.kv_heads * max_len * self.head_dim * self.dtype.itemsize
+        free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else float("inf")
+        if need > 0.8 * free:
+            from ..errors import ConfigError
+
+            raise ConfigError(
+                f"--batch-size {B}: the KV cache of {B} slots x {max_len} tokens needs {need / 2**30:.1f} GiB, more "
+                f"than 80% of the {free / 2**30:.1f} GiB free on {dev}; rerun with a smaller --batch-size"
+            )
         self.cache = [(torch.zeros(shape, dtype=self.dtype, device=dev), torch.zeros(shape, dtype=self.dtype, device=dev))
                       for _ in self.inner.layers]
-        gib = 2 * len(self.cache) * B * self.kv_heads * max_len * self.head_dim * self.cache[0][0].element_size() / 2**30
-        log.info("fast decoder: %d slots x %d columns, KV cache %.2f GiB, cuda graphs %s", B, max_len, gib, self.graphs)
+        log.info("fast decoder: %d slots x %d columns, KV cache %.2f GiB, cuda graphs %s", B, max_len, need / 2**30,
+                 self.graphs)
         self.rows = torch.arange(B, device=dev)
         self.cols = torch.arange(max_len, device=dev)
         self.tok = torch.zeros(B, dtype=torch.long, device=dev)  # the token to feed next

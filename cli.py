@@ -99,6 +99,22 @@ def _click_type(field: Any) -> Any:
     return _CLICK_TYPES.get(base, str)
 
 
+class _RequiredUnless(click.Option):
+    """A required option that another one, when given, waives (--prompts unless --self-prompts)."""
+
+    def __init__(self, *args: Any, unless: str, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.unless = unless
+
+    def handle_parse_result(self, ctx: click.Context, opts: Any, args: list[str]) -> Any:
+        waived = opts.get(self.unless) is not None or (ctx.default_map or {}).get(self.unless) is not None
+        self.required = not waived
+        try:
+            return super().handle_parse_result(ctx, opts, args)
+        finally:
+            self.required = True
+
+
 def config_options(cls: type, *, skip: tuple[str, ...] = (), names: dict[str, str] | None = None) -> Callable:
     """Add one click option per field of a stage config, with the default, choices and help its metadata holds.
 
@@ -116,12 +132,16 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), names: dict[str, st
             if field.type == "bool":
                 kw.update(is_flag=True, default=False)
             elif str(field.type).startswith("tuple[str"):
-                kw.update(multiple=True, required=True, type=str)
+                kw.update(multiple=True, required=required, type=str)
+                if not required:
+                    kw.update(default=field.default)
             else:
                 kw.update(type=_click_type(field), required=required)
                 if not required:  # a required option given a default (even None) would no longer be required first
                     default = meta.get("cli_default") or field.default
                     kw.update(default=default, show_default=default is not None)
+            if meta.get("unless"):
+                kw.update(cls=_RequiredUnless, unless=meta["unless"])
             f = click.option(name, **kw)(f)
         return f
 

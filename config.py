@@ -29,16 +29,20 @@ __all__ = [
 
 CODECS = ("blosc", "none", "fp8")
 DTYPES = ("bfloat16", "float32")
+GENERATE_ENGINES = ("auto", "fast", "plain")
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, choices: tuple[str, ...] | None = None,
-           cli_default: str | None = None, parse: str | None = None, metavar: str | None = None) -> Any:
+           cli_default: str | None = None, parse: str | None = None, metavar: str | None = None,
+           unless: str | None = None) -> Any:
     """Return a config field whose metadata is its command-line option: the one place for default, choices, help.
 
     cli_default: the text the option shows and takes by default when the field's value is not text (layers: auto);
-    parse: the name of this module's function that turns the option's text into the field's value.
+    parse: the name of this module's function that turns the option's text into the field's value;
+    unless: a required field that may be None when this other option is given (its __post_init__ checks).
     """
-    meta = {"help": help, "choices": choices, "cli_default": cli_default, "parse": parse, "metavar": metavar}
+    meta = {"help": help, "choices": choices, "cli_default": cli_default, "parse": parse, "metavar": metavar,
+            "unless": unless}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -308,21 +312,48 @@ class GenerateConfig(StageConfig):
     """Options of `dflash generate`: regenerate answers with the target."""
 
     model: str = option(help="Target model: a Hugging Face folder.")
-    prompts: str = option(help="Prompts: JSONL ({prompt} or {messages} ending on the user's turn) or text lines.")
-    out: str = option(help="Output JSONL of conversations (appended; rerun to resume).")
+    prompts: str | None = option(
+        unless="self_prompts",
+        help="Prompts: JSONL ({prompt} or {messages} ending on the user's turn) or text lines; required unless "
+             "--self-prompts (then pass None from Python).")
+    out: str = option(help="Output JSONL of conversations, or of prompts with --self-prompts (appended; rerun to "
+                           "resume).")
+    self_prompts: int | None = option(
+        None, help="Instead of answering prompts, write N distinct, finished prompts the target writes itself "
+                   "(sampled from its chat template's user turn, Magpie-style) to --out, ready for --prompts.")
+    exclude: tuple[str, ...] = option(
+        (), metavar="FILE",
+        help="Prompt files (repeatable; as --prompts reads them) whose prompts --self-prompts must not repeat.")
     max_new_tokens: int = option(256, help="Most tokens per answer.")
     temperature: float = option(0.0, help="Sampling temperature; 0 = greedy.")
-    batch_size: int = option(16, help="Prompts answered together.")
+    batch_size: int = option(16, help="Prompts answered together (slots of the fast engine, kept full).")
     device: str = option("cpu", choices=("cpu", "cuda"), help="Where the target runs.")
     backend: str = option("transformers", choices=("transformers", "vllm"), help="Generation engine.")
-    seed: int = option(0, help="Seed of sampling (temperature > 0).")
+    engine: str = option(
+        "auto", choices=GENERATE_ENGINES,
+        help="transformers decoding: fast (static KV cache, continuous batching, CUDA graphs on cuda), plain "
+             "(transformers' generate); auto is fast where the architecture allows. Recorded beside --out.")
+    dtype: str = option("auto", choices=("auto",) + DTYPES,
+                        help="Dtype the target runs in: auto is float32 on cpu, the folder's own on cuda. Recorded "
+                             "beside --out.")
+    seed: int = option(0, help="Seed of sampling (temperature > 0, and --self-prompts).")
 
     def __post_init__(self) -> None:
+        _check(self.self_prompts is not None or self.prompts is not None,
+               "--prompts is required (a prompts file to answer), unless --self-prompts N writes prompts instead")
+        _check(self.self_prompts is None or self.prompts is None,
+               f"--prompts {self.prompts} and --self-prompts {self.self_prompts} exclude each other: the first "
+               "answers prompts, the second writes them; run one, then the other")
+        _check(self.self_prompts is None or self.self_prompts >= 1,
+               f"--self-prompts must be >= 1, got {self.self_prompts}")
+        _check(not self.exclude or self.self_prompts is not None, "--exclude applies to --self-prompts only")
         _check(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}")
         _check(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         _check(self.device in ("cpu", "cuda"), f"--device {self.device!r}: use cpu or cuda")
         _check(self.backend in ("transformers", "vllm"), f"--backend {self.backend!r}: use transformers or vllm")
+        _check(self.engine in GENERATE_ENGINES, f"--engine {self.engine!r}: use {', '.join(GENERATE_ENGINES)}")
+        _check(self.dtype in ("auto",) + DTYPES, f"--dtype {self.dtype!r}: use auto, {', '.join(DTYPES)}")
 
 
 DEMO_BUDGETS = ("auto", "full", "gpu", "tiny")

@@ -13,7 +13,12 @@ __all__ = ["run"]
 
 
 def run(cfg: "GenerateConfig") -> Any:
-    """Run `dflash generate` with a validated config; return its GenerateResult."""
-    from .answer import run as _run
+    """Run `dflash generate` with a validated config (answers, or prompts with --self-prompts); return its
+    GenerateResult."""
+    if cfg.self_prompts is not None:
+        from .self_prompts import run as write_prompts
 
-    return _run(cfg)
+        return write_prompts(cfg)
+    from .answer import run as answer
+
+    return answer(cfg)

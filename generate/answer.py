@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from ..atomic import append_lines, repair_torn_tail
 from ..conversations import message
 from ..errors import ConfigError, InputError
 from ..runtime import Progress as Display
+from .model import NUMERICS, Loaded, check_identity, load, resolve
 from .prompts import Prompt, read_prompts
 
 if TYPE_CHECKING:
@@ -28,8 +28,8 @@ __all__ = ["GenerateResult", "read_done", "run"]
 
 log = logging.getLogger(__name__)
 
-# The options that decide what an answer is; a rerun into the same --out must keep them.
-_IDENTITY_FIELDS = ("model", "max_new_tokens", "temperature", "seed")
+# The options that decide what an answer is (numerics included); a rerun into the same --out must keep them.
+_IDENTITY_FIELDS = ("model", "max_new_tokens", "temperature", "seed") + NUMERICS
 _LOG_EVERY_S = 30.0
 
 
@@ -83,26 +83,6 @@ def read_done(out: Path, prompts: list[Prompt]) -> set[int]:
     return done
 
 
-def _check_identity(cfg: "GenerateConfig", out: Path) -> None:
-    """Save the config beside `out`, or refuse to resume into it with options that change the answers."""
-    from ..config import GenerateConfig
-
-    saved_path = out.with_name(out.name + ".config.json")
-    if saved_path.exists():
-        saved = GenerateConfig.load(saved_path)
-        for name in _IDENTITY_FIELDS:
-            old, new = getattr(saved, name), getattr(cfg, name)
-            if name == "model":
-                old, new = os.path.abspath(old), os.path.abspath(new)
-            if old != new:
-                raise ConfigError(
-                    f"--out {out} was generated with --{name.replace('_', '-')} {old} but this run has {new}; "
-                    f"rerun with --{name.replace('_', '-')} {old} or pass a new --out"
-                )
-    else:
-        cfg.save(saved_path)
-
-
 class _Progress:
     """Prompts answered and tokens/s, shown with rate and ETA (see runtime.Progress)."""
 
@@ -129,13 +109,9 @@ def run(cfg: "GenerateConfig") -> GenerateResult:
     """Return what was done after answering every prompt of `cfg.prompts` that `cfg.out` does not answer yet."""
     out = Path(cfg.out)
     prompts = read_prompts(cfg.prompts)
-    if not Path(cfg.model).is_dir():
-        raise InputError(
-            f"--model {cfg.model}: expected a Hugging Face model folder, found none; pass a save_pretrained folder "
-            "(the embedded target: python -c 'from dflash.assets import smollm2_folder; print(smollm2_folder())')"
-        )
+    cfg = resolve(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _check_identity(cfg, out)
+    check_identity(cfg, out, _IDENTITY_FIELDS)
     done = read_done(out, prompts)
     pending = [p for p in prompts if p.row not in done]
     log.info("generate: %d prompts in %s, %d already answered in %s", len(prompts), cfg.prompts, len(done), out)
@@ -143,8 +119,10 @@ def run(cfg: "GenerateConfig") -> GenerateResult:
         return GenerateResult(len(prompts), 0, len(done), 0, 0.0)
     if cfg.backend == "vllm":
         answer = _vllm_backend(cfg)
+    elif cfg.engine == "fast":
+        answer = _fast_backend(cfg, load(cfg))
     else:
-        answer = _transformers_backend(cfg)
+        answer = _transformers_backend(cfg, load(cfg))
     progress = _Progress(len(pending))
     start = time.perf_counter()
     new_tokens = 0
@@ -174,35 +152,48 @@ def _record(prompt: Prompt, text: str, n_tokens: int, finished: bool) -> dict[st
     }
 
 
-def _transformers_backend(cfg: "GenerateConfig"):
+def _chat_ids(tokenizer: Any, pending: list[Prompt]) -> tuple[list[str], list[list[int]]]:
+    """Return each prompt's chat-template text and its token ids (the template holds any BOS token itself)."""
+    texts = [tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True) for p in pending]
+    return texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def _fast_backend(cfg: "GenerateConfig", target: Loaded):
+    """Return a function that yields lists of records as the fast decoder finishes them (engine.py)."""
+    from .engine import FastDecoder, Request
+
+    decoder = FastDecoder(target.model, slots=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
+                          stop_ids=target.stop_ids, temperature=cfg.temperature, seed=cfg.seed)
+    flush_every = max(1, cfg.batch_size // 4)
+
+    def answer(pending: list[Prompt]):
+        _, ids = _chat_ids(target.tokenizer, pending)
+        by_row = {p.row: p for p in pending}
+        # Shortest first: each refill's prompts have similar lengths, so its prefill pads little.
+        order = sorted(range(len(pending)), key=lambda i: (len(ids[i]), pending[i].row))
+        requests = (Request(pending[i].row, ids[i]) for i in order)
+        records: list[dict[str, Any]] = []
+        last = time.perf_counter()
+        for done in decoder.run(requests, max_prompt=max(map(len, ids))):
+            for c in done:
+                text = target.tokenizer.decode(c.tokens, skip_special_tokens=True)
+                records.append(_record(by_row[c.key], text, len(c.tokens), c.finished))
+            # Records reach disk in groups: one fsync per group, not per answer.
+            if len(records) >= flush_every or time.perf_counter() - last > 5.0:
+                yield records
+                records, last = [], time.perf_counter()
+        if records:
+            yield records
+
+    return answer
+
+
+def _transformers_backend(cfg: "GenerateConfig", target: Loaded):
     """Return a function that yields one list of records per batch of prompts, using transformers' generate."""
     import torch
-    from transformers import AutoTokenizer
 
-    from ..target import load_target
-
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: expected a CUDA device, found none; rerun with --device cpu")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    if not tokenizer.chat_template:
-        raise InputError(f"--model {cfg.model}: expected a tokenizer with a chat template, found none")
-    # On CPU, bf16 answers depend on the batch: with left padding SmolLM2's first-token logits moved by 0.9 and
-    # "The capital of France is Paris." became "L'Etoile, ..."; even eager attention changed 9 of 16 answers
-    # between batch 16 and batch 1. fp32 kept 8 of 8 answers identical between batch 8 and batch 1, so it is
-    # what we use, at a cost (bf16 decoded up to ~3x faster on this AVX512-bf16 CPU). GPUs keep the folder's dtype.
-    dtype = torch.float32 if cfg.device == "cpu" else "auto"
-    model = load_target(cfg.model, device=cfg.device, dtype=dtype)
-    # Left padding keeps every prompt's last token at the same column, where generation continues.
-    tokenizer.padding_side = "left"
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if tokenizer.pad_token_id is None:  # some conversions (transformers 5.17 from GGUF) name no pad token
-        tokenizer.pad_token_id = pad_id
-    eos_ids = {tokenizer.eos_token_id}
-    gen_eos = model.generation_config.eos_token_id
-    eos_ids |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
-    eos_ids.discard(None)
-    if not eos_ids:
-        raise InputError(f"--model {cfg.model}: expected an eos token in the tokenizer or generation config, found none")
+    tokenizer, model, pad_id = target.tokenizer, target.model, target.pad_id
+    eos_ids = set(target.stop_ids)
     sample = cfg.temperature > 0
     kwargs: dict[str, Any] = dict(
         max_new_tokens=cfg.max_new_tokens,
@@ -217,9 +208,8 @@ def _transformers_backend(cfg: "GenerateConfig"):
         kwargs.update(temperature=None, top_k=None, top_p=None)
 
     def answer(pending: list[Prompt]):
-        texts = [tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True) for p in pending]
-        # The template already holds any BOS token; the tokenizer must not add a second one.
-        lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        texts, ids = _chat_ids(tokenizer, pending)
+        lengths = [len(x) for x in ids]
         # Similar lengths share a batch, so little compute goes to padding.
         order = sorted(range(len(pending)), key=lambda i: (lengths[i], pending[i].row))
         for b in range(0, len(order), cfg.batch_size):

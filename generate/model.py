@@ -1,0 +1,121 @@
+"""The target as `dflash generate` runs it: the numerics (dtype, engine, device) resolved and recorded beside the
+output, the tokenizer and model loaded, and the stop tokens named."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from ..config import GenerateConfig
+
+__all__ = ["Loaded", "resolve", "check_identity", "load"]
+
+log = logging.getLogger(__name__)
+
+# The fields that say in which numerics the output was made; "auto" in an old sidecar means "not recorded".
+NUMERICS = ("dtype", "engine", "device")
+
+
+def _folder_dtype(model: str) -> str:
+    """Return the dtype a Hugging Face folder's config.json names (float32 when it names none, as transformers)."""
+    try:
+        data = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return "float32"
+    return str(data.get("dtype") or data.get("torch_dtype") or "float32").replace("torch.", "")
+
+
+def resolve(cfg: "GenerateConfig") -> "GenerateConfig":
+    """Return cfg with dtype and engine made concrete, as they will run (and be recorded beside --out)."""
+    if not Path(cfg.model).is_dir():
+        raise InputError(
+            f"--model {cfg.model}: expected a Hugging Face model folder, found none; pass a save_pretrained folder "
+            "(the embedded target: python -c 'from dflash.assets import smollm2_folder; print(smollm2_folder())')"
+        )
+    if cfg.backend == "vllm":
+        return cfg
+    # On CPU, bf16 answers depend on the batch: with left padding SmolLM2's first-token logits moved by 0.9 and
+    # "The capital of France is Paris." became "L'Etoile, ..."; even eager attention changed 9 of 16 answers
+    # between batch 16 and batch 1. fp32 kept 8 of 8 answers identical between batch 8 and batch 1, so auto
+    # uses it there, at a cost (bf16 decoded up to ~3x faster on this AVX512-bf16 CPU). GPUs keep the folder's.
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("float32" if cfg.device == "cpu" else _folder_dtype(cfg.model))
+    engine = cfg.engine
+    if engine != "plain":
+        from transformers import AutoConfig
+
+        from .engine import fast_unsupported
+
+        why = fast_unsupported(AutoConfig.from_pretrained(cfg.model))
+        if why and engine == "fast":
+            raise ConfigError(f"--engine fast cannot run --model {cfg.model}: {why}; rerun with --engine plain")
+        engine = "plain" if why else "fast"
+    return dataclasses.replace(cfg, dtype=dtype, engine=engine)
+
+
+def check_identity(cfg: "GenerateConfig", out: Path, fields: tuple[str, ...]) -> None:
+    """Save the resolved config beside `out`, or refuse to resume into it with other values of `fields`."""
+    from ..config import GenerateConfig
+
+    saved_path = out.with_name(out.name + ".config.json")
+    if not saved_path.exists():
+        cfg.save(saved_path)
+        return
+    saved = GenerateConfig.load(saved_path)
+    for name in fields:
+        old, new = getattr(saved, name), getattr(cfg, name)
+        if name in NUMERICS and old == "auto":
+            continue  # written before the numerics were recorded
+        if name == "model":
+            old, new = os.path.abspath(old), os.path.abspath(new)
+        if old != new:
+            flag = "--" + name.replace("_", "-")
+            shown = lambda v: " ".join(v) if isinstance(v, tuple) else v  # noqa: E731
+            raise ConfigError(
+                f"--out {out} was generated with {flag} {shown(old)} but this run has {shown(new)} "
+                f"({saved_path}); rerun with {flag} {shown(old)} or pass a new --out"
+            )
+
+
+@dataclass
+class Loaded:
+    """The tokenizer and model of a run, with the stop tokens and the pad token its batches use."""
+
+    tokenizer: Any
+    model: Any
+    stop_ids: list[int]
+    pad_id: int
+
+
+def load(cfg: "GenerateConfig") -> Loaded:
+    """Return the tokenizer and model of a resolved config, on its device in its dtype."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..target import load_target
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: expected a CUDA device, found none; rerun with --device cpu")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    if not tokenizer.chat_template:
+        raise InputError(f"--model {cfg.model}: expected a tokenizer with a chat template, found none")
+    model = load_target(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    # Left padding (plain engine) keeps every prompt's last token at the same column, where generation continues.
+    tokenizer.padding_side = "left"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if tokenizer.pad_token_id is None:  # some conversions (transformers 5.17 from GGUF) name no pad token
+        tokenizer.pad_token_id = pad_id
+    stops = {tokenizer.eos_token_id}
+    gen_eos = model.generation_config.eos_token_id
+    stops |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
+    stops.discard(None)
+    if not stops:
+        raise InputError(f"--model {cfg.model}: expected an eos token in the tokenizer or generation config, found none")
+    log.info("generate: %s on %s in %s, engine %s", cfg.model, cfg.device, cfg.dtype, cfg.engine)
+    return Loaded(tokenizer, model, sorted(stops), pad_id)

@@ -16,21 +16,41 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HOST", "start_time_of", "holder_is_live", "FileLock"]
+__all__ = ["HOST", "start_time_of", "pid_alive", "holder_is_live", "FileLock"]
 
 log = logging.getLogger(__name__)
 
 HOST = socket.gethostname()
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses: fields resume after the last ')'.
+    return stat.rsplit(")", 1)[-1].split()
+
+
 def start_time_of(pid: int) -> int | None:
     """Return a local process's start time (clock ticks since boot) from /proc, or None if unknown or gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().decode(errors="replace").rsplit(")", 1)[1].split()  # the name may hold ')'
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
+        return int((_stat_fields(pid) or [])[19])
+    except (IndexError, ValueError):
         return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Return True if a local process runs (a zombie, killed but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    fields = _stat_fields(pid)
+    return not (fields and fields[0] in ("Z", "X"))
 
 
 def holder_is_live(holder: dict[str, Any] | None) -> bool:
@@ -38,15 +58,13 @@ def holder_is_live(holder: dict[str, Any] | None) -> bool:
     if not holder or "pid" not in holder or "host" not in holder:
         return False
     if holder["host"] != HOST:
+        # Another machine's processes cannot be seen from here: only an operator removes its lock.
         return True
     pid = int(holder["pid"])
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:
-        pass  # someone else's process: alive
     started = holder.get("start_time")
+    # A reused pid is a different process: its start time differs from the one recorded.
     return started is None or start_time_of(pid) == started
 
 

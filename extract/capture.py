@@ -33,6 +33,46 @@ def load_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype)
     return load(model_dir, device=device, dtype=dtype, attn_implementation=_attn_implementation(device))
 
 
+SUPPORTED = "decoder-only transformers with rotary embeddings (Llama, Qwen2, Qwen3, Mistral and their kin)"
+
+
+def decoder_base(model: Any, where: str) -> Any:
+    """Return the decoder stack (embed_tokens, layers, rotary_emb) of a causal LM; InputError naming what is
+    supported when the model has none (an encoder such as BERT, an encoder-decoder, another layout)."""
+    base = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
+    missing = [n for n in ("embed_tokens", "layers", "rotary_emb") if not hasattr(base, n)]
+    if missing:
+        cfg = getattr(model, "config", None)
+        kind = f"{getattr(cfg, 'model_type', '?')} model ({type(model).__name__})"
+        raise InputError(
+            f"--model {where}: expected a decoder-only causal LM, found a {kind} without {', '.join(missing)}; "
+            f"dflash extract supports {SUPPORTED}"
+        )
+    return base
+
+
+def check_architecture(model_config: Any, where: str) -> None:
+    """Raise InputError unless the config builds a model dflash can run (checked on the meta device: no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    if getattr(model_config, "is_encoder_decoder", False):
+        raise InputError(f"--model {where}: expected a decoder-only causal LM, found an encoder-decoder "
+                         f"{model_config.model_type} model; dflash extract supports {SUPPORTED}")
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its advice for the model it builds here is not the user's business
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config)
+    except (ValueError, KeyError) as e:
+        raise InputError(f"--model {where}: transformers builds no causal LM from its {model_config.model_type} "
+                         f"config ({str(e).splitlines()[0][:160]}); dflash extract supports {SUPPORTED}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    decoder_base(model, where)
+
+
 class TargetRunner:
     """Runs the target only up to its last captured layer (no later layers, no final norm, no lm_head).
 
@@ -42,7 +82,7 @@ class TargetRunner:
     """
 
     def __init__(self, model: Any, layer_ids: list[int], *, check: bool = True) -> None:
-        base = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
+        base = decoder_base(model, getattr(getattr(model, "config", None), "_name_or_path", "") or "the target")
         cfg = base.config
         self.layer_ids = list(layer_ids)
         self.depth = max(self.layer_ids) + 1

@@ -1,6 +1,7 @@
 """Orchestration of `dflash extract`: header and store, one worker per device, progress, completion, summary."""
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -9,7 +10,7 @@ import click
 
 from ..config import resolve_devices
 from ..runtime import launch, ranks_from_env
-from ..errors import InputError
+from ..errors import InputError, StoreError
 from .data import read_rows
 
 if TYPE_CHECKING:
@@ -52,7 +53,6 @@ def _require_usable(rows: list[Any], data: tuple[str, ...]) -> None:
 
 def _stored_header(url: str) -> dict[str, Any] | None:
     """Return the header of the store at url, or None if there is none (yet) or it cannot be read."""
-    from ..errors import StoreError
     from ..storage import Store
 
     try:
@@ -80,7 +80,6 @@ def _run_spawned(cfg: "ExtractConfig", specs: list[Any], progress: Any) -> list[
 
 def _plan(cfg: "ExtractConfig", header: dict[str, Any], rows: list[Any], tokenizer: Any, template: str, devices: list[str]) -> Any:
     """Return the plan (printed for --dry-run); StoreError when the shards still to write would not fit."""
-    from ..errors import StoreError
     from ..storage import Store
     from .dry_run import check_fits, estimate_plan, format_plan, make_plan
     from .template import ChatEncoder
@@ -105,6 +104,7 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
     from ..storage import Store
+    from .capture import check_architecture
     from .header import build_header, in_form_of
     from .progress import Progress, format_summary, summarise
     from .template import load_template
@@ -118,6 +118,7 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
             f"--model {cfg.model}: expected a Hugging Face model folder with config.json and a tokenizer; "
             f"{str(e).splitlines()[0][:200]}"
         ) from None
+    check_architecture(model_config, cfg.model)
     template = load_template(tokenizer, cfg.chat_template)
     t0 = time.perf_counter()
     rows = read_rows(cfg.data)
@@ -134,11 +135,19 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
         plan = _plan(cfg, header, rows, tokenizer, template, devices)
         if cfg.dry_run:
             return {"plan": plan.to_dict()}
-    # A store left by a run that failed before its first shard holds nothing: other options may take it over.
-    store = Store.create_or_open(cfg.out, header, replace_skeleton=True)
-    store.gc()  # temp files and claims of killed runs; never a live writer's (see Store.gc)
+    try:
+        # A store left by a run that failed before its first shard holds nothing: other options may take it over.
+        store = Store.create_or_open(cfg.out, header, replace_skeleton=True)
+        committed = set(store.committed_ids())
+        finished = store.is_complete() and len(committed) >= store.num_shards
+        if not finished:  # a complete store is read, never written: a rerun works on a read-only mount
+            store.gc()  # temp files and claims of killed runs; never a live writer's (see Store.gc)
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        raise StoreError(f"--out {cfg.out}: cannot write the store there ({e.strerror}); pass a writable --out, "
+                         "or make this one writable and rerun the same command") from None
     plan = header["shard_plan"]
-    committed = set(store.committed_ids())
     left = sum(
         min(plan["rows_per_shard"], plan["num_rows"] - s * plan["rows_per_shard"])
         for s in range(plan["num_shards"])
@@ -169,7 +178,7 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
             f"--data {' '.join(cfg.data)}: no row became a sample ({_counts(summary['dropped'])}), so {cfg.out} "
             "holds 0 samples; fix the data, or lower --min-loss-tokens / raise --max-length"
         )
-    if done:
+    if done and not finished:
         # Whoever sees every shard committed records the dataset totals (peers may do it too: same content).
         store.mark_complete({k: v for k, v in summary.items() if k != "devices"} | {"config": cfg.to_dict()})
     elif rank == 0:

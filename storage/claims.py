@@ -4,48 +4,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 import uuid
 
+from ..locks import HOST, holder_is_live, start_time_of
 from .fs import StoreFS
 from .layout import claim_path, dumps
 
-__all__ = ["Claim", "acquire", "release", "claim_is_live", "read_claim", "process_start_time", "lock_is_stale"]
+__all__ = ["Claim", "acquire", "release", "claim_is_live", "read_claim", "lock_is_stale"]
 
 log = logging.getLogger(__name__)
-
-HOST = socket.gethostname()
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    # The command name may contain spaces and parentheses: fields resume after the last ')'.
-    return stat.rsplit(")", 1)[-1].split()
-
-
-def process_start_time(pid: int) -> int | None:
-    """Return the start time (clock ticks since boot) of a local process, or None if unknown or not running."""
-    try:
-        return int((_stat_fields(pid) or [])[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A killed process its parent has not reaped yet still answers kill(0): a zombie writes nothing.
-    fields = _stat_fields(pid)
-    return not (fields and fields[0] in ("Z", "X"))
 
 
 class Claim(dict):
@@ -59,18 +27,7 @@ def read_claim(fs: StoreFS, shard_id: int) -> Claim | None:
 
 def claim_is_live(claim: Claim | None) -> bool:
     """Return True if the claim's process may still be writing: alive on this host, or on another host at all."""
-    if claim is None:
-        return False
-    if "pid" not in claim or "host" not in claim:
-        return False
-    if claim["host"] != HOST:
-        # We cannot see another machine's processes; only `dflash gc`-style cleanup by an operator removes it.
-        return True
-    if not _pid_alive(int(claim["pid"])):
-        return False
-    started = claim.get("start_time")
-    # A reused pid is a different process: its start time differs from the one recorded.
-    return started is None or process_start_time(int(claim["pid"])) == started
+    return holder_is_live(claim)
 
 
 def _read_json(fs: StoreFS, rel: str) -> Claim | None:
@@ -85,7 +42,7 @@ def _read_json(fs: StoreFS, rel: str) -> Claim | None:
 def acquire(fs: StoreFS, shard_id: int) -> Claim | None:
     """Return our new claim on the shard, taking over a stale one; None if a live process holds it."""
     pid = os.getpid()
-    mine = Claim(host=HOST, pid=pid, start_time=process_start_time(pid), token=uuid.uuid4().hex, time=time.time())
+    mine = Claim(host=HOST, pid=pid, start_time=start_time_of(pid), token=uuid.uuid4().hex, time=time.time())
     path = claim_path(shard_id)
     for _ in range(5):
         if fs.create_exclusive(path, dumps(mine)):

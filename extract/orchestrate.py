@@ -140,8 +140,13 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
         store = Store.create_or_open(cfg.out, header, replace_skeleton=True)
         committed = set(store.committed_ids())
         finished = store.is_complete() and len(committed) >= store.num_shards
-        if not finished:  # a complete store is read, never written: a rerun works on a read-only mount
+        try:
             store.gc()  # temp files and claims of killed runs; never a live writer's (see Store.gc)
+        except OSError as e:
+            if not finished or e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            # A complete store is read, never written: on a read-only mount its leftovers simply stay.
+            log.info("%s is complete and read-only here: leftovers of killed runs stay (%s)", cfg.out, e.strerror)
     except OSError as e:
         if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise

@@ -33,7 +33,7 @@ from dflash.storage.synthetic import activation_bits
 from dflash.testing import QWEN3_8B_CONFIG
 from dflash.train.dist import Dist
 from dflash.train.plan import plan_round
-from dflash.train.loop import Learner
+from dflash.train.learner import Learner
 from dflash.train.objective import max_blocks_for
 from dflash.train.prepare import ShardLengths, drafter_config
 from dflash.train.stream import RoundStream, StreamSpec

@@ -1,0 +1,87 @@
+"""One rank's optimizer step: the drafter (fp32 master weights, DDP when several ranks), the target's frozen head,
+AdamW with a cosine schedule, bf16 autocast, gradient accumulation over the rank's slots, clipping, FLOP count."""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+from .dist import Dist
+from .prepare import lr_factor
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+    from ..drafter.model import DrafterConfig
+    from .objective import Metrics
+
+__all__ = ["Learner"]
+
+
+class Learner:
+    """Model, frozen target head, optimizer and schedule of one rank; `step` runs one optimizer step."""
+
+    def __init__(self, cfg: "TrainConfig", dcfg: "DrafterConfig", dist: Dist) -> None:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from ..drafter.model import DFlashDrafter
+        from ..drafter.target_head import load_target_head
+        from .objective import batch_capacity
+
+        self.cfg, self.dist, dev = cfg, dist, dist.device
+        torch.manual_seed(cfg.seed)
+        self.model = DFlashDrafter(dcfg).to(dev)  # fp32 master weights; compute is autocast to bf16
+        self.ddp = DDP(self.model, device_ids=[dev] if dev.type == "cuda" else None) if dist.world > 1 else self.model
+        self.bf16 = cfg.dtype == "bfloat16"
+        self.head = load_target_head(cfg.target, dtype=torch.bfloat16 if self.bf16 else torch.float32, device=dev)
+        self.attention = cfg.attention if cfg.attention != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
+        self.capacity = batch_capacity(cfg.batch_tokens)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                     fused=dev.type == "cuda")
+        self.total = 1
+        self.last_flops = 0.0  # model FLOPs (forward + backward) of the last step on this rank
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, self.total, cfg.warmup_ratio))
+
+    def autocast(self) -> Any:
+        """Return the bf16 autocast context (or none for --dtype float32)."""
+        import torch
+
+        return torch.autocast(self.dist.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+
+    def step(self, micro: list[Any]) -> tuple["Metrics | None", float, float]:
+        """Run one optimizer step over this rank's micro-batches; return (summed Metrics or None, grad norm, lr).
+
+        The loss of each micro-batch is normalised by the decay-weight total of the whole global batch (all ranks,
+        all micro-batches), so the gradient equals that of one big batch whatever the world size and accumulation.
+        """
+        import torch
+
+        from ..drafter.flops import step_flops
+        from .objective import drafter_loss
+
+        dev = self.dist.device
+        local = [float(b.weights[:, 1:].sum()) if b is not None else 0.0 for b in micro]
+        total_w = float(self.dist.all_reduce(torch.tensor([sum(local)], dtype=torch.float64, device=dev))[0])
+        metrics = None
+        for i, (b, w) in enumerate(zip(micro, local)):
+            sync = i == len(micro) - 1 or self.dist.world == 1
+            with (contextlib.nullcontext() if sync else self.ddp.no_sync()), self.autocast():
+                if b is None or w == 0.0:
+                    # Nothing to learn here, but DDP needs every rank to reduce every parameter's gradient.
+                    loss = sum(p.sum() for p in self.ddp.parameters()) * 0.0
+                    if b is not None:
+                        _, m = drafter_loss(self.ddp, b, self.head.embed, self.head.lm_head,
+                                            attention=self.attention, capacity=self.capacity)
+                        metrics = m if metrics is None else metrics + m
+                else:
+                    loss, m = drafter_loss(self.ddp, b, self.head.embed, self.head.lm_head,
+                                           attention=self.attention, capacity=self.capacity)
+                    loss = loss * (w / max(total_w, 1e-12) * self.dist.world)
+                    metrics = m if metrics is None else metrics + m
+            loss.backward()
+        self.last_flops = sum(sum(step_flops(self.model.config, b).values()) for b in micro if b is not None)
+        gnorm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip))
+        lr = self.sched.get_last_lr()[0]
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return metrics, gnorm, lr

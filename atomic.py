@@ -54,13 +54,14 @@ def write_durable(path: str | os.PathLike, data: bytes | str | memoryview) -> No
         os.close(fd)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str, *, suffix: str = ".tmp") -> None:
+def write_atomic(path: str | os.PathLike, data: bytes | str, *, suffix: str = ".tmp", tag: str | None = None) -> None:
     """Replace `path` with `data` (str is written as UTF-8); a crash leaves the old file or the new one, never half.
 
-    The temp file sits beside `path` (`.NAME.PID.RANDOM` + suffix) and is removed if the write fails.
+    The temp file sits beside `path` (`.NAME.TAG.RANDOM` + suffix, TAG the pid unless given) and is removed if the
+    write fails.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{suffix}")
+    tmp = path.with_name(f".{path.name}.{tag or os.getpid()}.{uuid.uuid4().hex[:8]}{suffix}")
     try:
         write_durable(tmp, data)
         os.replace(tmp, path)

@@ -258,6 +258,7 @@ def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report
             pass  # the first failure is the one to report
         for w in list(open_writers.values()):
             w.abort()
+        store.release_own_claims()
         raise
     finally:
         tokenizer.shutdown(wait=True, cancel_futures=True)

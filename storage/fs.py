@@ -4,17 +4,33 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
+import socket
 import uuid
 from typing import Any
 
 from ..atomic import fsync_dir, write_atomic, write_durable
 
-__all__ = ["StoreFS", "LocalFS", "FsspecFS", "open_fs", "PARTIAL_SUFFIX", "aligned_buffer", "is_aligned", "ALIGN"]
+__all__ = ["StoreFS", "LocalFS", "FsspecFS", "open_fs", "PARTIAL_SUFFIX", "writer_tag", "temp_writer", "aligned_buffer",
+           "is_aligned", "ALIGN"]
 
 log = logging.getLogger(__name__)
 
 # Temporary files end with this; anything still carrying it after a crash is garbage that gc removes.
 PARTIAL_SUFFIX = ".partial"
+# ... and name their writer (`NAME.PID@HOST.RANDOM.partial`), so gc can tell a dead writer's from a live one's.
+_TEMP_WRITER = re.compile(r"\.(\d+)@([^.@]+)\.[0-9a-f]{8}" + re.escape(PARTIAL_SUFFIX) + "$")
+
+
+def writer_tag() -> str:
+    """Return this process's tag in temp names: PID@HOST (the host's dots made underscores)."""
+    return f"{os.getpid()}@{socket.gethostname().replace('.', '_')}"
+
+
+def temp_writer(name: str) -> tuple[int, str] | None:
+    """Return (pid, host as tagged) of the process that wrote a temp file, or None if its name does not say."""
+    m = _TEMP_WRITER.search(name)
+    return (int(m.group(1)), m.group(2)) if m else None
 # O_DIRECT alignment of buffer address, length and file offset: 4096 covers 512 and 4K logical blocks.
 ALIGN = 4096
 # Opt-in (DFLASH_DIRECT_IO=1): it reads cold chunk files faster, but gives up the page cache, which serves a
@@ -137,13 +153,13 @@ class LocalFS(StoreFS):
         write_durable(self.path(rel), data)
 
     def _write_temp(self, rel: str, data: bytes) -> str:
-        tmp = f"{self.path(rel)}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}"
+        tmp = f"{self.path(rel)}.{writer_tag()}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
         write_durable(tmp, data)
         return tmp
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Write data to a temp file (`*.partial`), fsync it, rename it into place and fsync the folder."""
-        write_atomic(self.path(rel), data, suffix=PARTIAL_SUFFIX)
+        write_atomic(self.path(rel), data, suffix=PARTIAL_SUFFIX, tag=writer_tag())
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Return True if this call created the file with exactly data (link of a fsynced temp), False if it existed."""

@@ -11,7 +11,8 @@ import numpy as np
 
 from ..errors import CorruptShard, ManifestMismatch, StoreError
 from . import claims
-from .fs import PARTIAL_SUFFIX, StoreFS, open_fs
+from ..locks import pid_alive
+from .fs import PARTIAL_SUFFIX, StoreFS, open_fs, temp_writer, writer_tag
 from .layout import (
     CLAIMS,
     COMMITS,
@@ -183,6 +184,17 @@ class Store:
         threads = threads or min(8, max(2, os.cpu_count() or 2))
         return ShardWriter(self.fs, self.header, int(shard_id), claim, self.chunk_tokens, threads)
 
+    def release_own_claims(self) -> int:
+        """Return how many claims of this process were released: what an interrupted writer leaves (a signal
+        can land between taking a claim and handing it to the code that would release it)."""
+        mine = 0
+        for sid in range(self.num_shards):
+            claim = claims.read_claim(self.fs, sid)
+            if claim and claim.get("pid") == os.getpid() and claim.get("host") == claims.HOST:
+                claims.release(self.fs, sid, claim)
+                mine += 1
+        return mine
+
     def withdraw(self, shard_id: int) -> bool:
         """Return True if a commit record was removed, so the shard counts as never written (and the store as not
         complete) and the next extract redoes it."""
@@ -238,8 +250,11 @@ class Store:
                 rel = f"{folder}/{name}" if folder else name
                 if not name.endswith(PARTIAL_SUFFIX):
                     continue
+                writer = temp_writer(name)
                 if ".takeover-" in name:
                     stale = claims.lock_is_stale(self.fs, rel)
+                elif writer is not None and writer[1] == writer_tag().split("@", 1)[1]:
+                    stale = not pid_alive(writer[0])  # a writer of this host: dead or not, we can tell
                 else:
                     try:
                         mtime = self.fs.mtime(rel)

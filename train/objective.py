@@ -288,17 +288,9 @@ def predict(
                       ce_sum=float((ce * row_w).sum()), weight_sum=float(weight_sum))
 
 
-def drafter_loss(
-    model: torch.nn.Module,
-    batch: PackedBatch,
-    embed_weight: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    *,
-    attention: str = "sdpa",
-    chunk_rows: int | None = None,
-    capacity: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, Metrics]:
-    """Return (loss = sum_k w_k CE_k / sum w_k over the batch, Metrics) for one packed batch (see `predict`)."""
-    p = predict(model, batch, embed_weight, lm_head_weight, attention=attention, chunk_rows=chunk_rows,
-                capacity=capacity)
+def drafter_loss(model: torch.nn.Module, batch: PackedBatch, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor, **options: Any) -> tuple[torch.Tensor, Metrics]:
+    """Return (loss = sum_k w_k CE_k / sum w_k over the batch, Metrics) for one packed batch; options are
+    `predict`'s (attention, chunk_rows, capacity)."""
+    p = predict(model, batch, embed_weight, lm_head_weight, **options)
     return p.loss, p.metrics()

@@ -154,7 +154,11 @@ class LocalFS(StoreFS):
 
     def _write_temp(self, rel: str, data: bytes) -> str:
         tmp = f"{self.path(rel)}.{writer_tag()}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
-        write_durable(tmp, data)
+        try:
+            write_durable(tmp, data)
+        except BaseException:  # a signal mid-write must not leave the temp behind
+            _silent_unlink(tmp)
+            raise
         return tmp
 
     def write_atomic(self, rel: str, data: bytes) -> None:

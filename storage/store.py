@@ -193,6 +193,10 @@ class Store:
             if claim and claim.get("pid") == os.getpid() and claim.get("host") == claims.HOST:
                 claims.release(self.fs, sid, claim)
                 mine += 1
+        me = writer_tag()
+        for name in self.fs.listdir(CLAIMS):  # a claim this process was writing when the signal came
+            if name.endswith(PARTIAL_SUFFIX) and f".{me}." in name:
+                self.fs.rm(f"{CLAIMS}/{name}")
         return mine
 
     def withdraw(self, shard_id: int) -> bool:

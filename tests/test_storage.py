@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 from dflash.errors import CorruptShard, ManifestMismatch, StoreError
 from dflash.storage import Store
+from dflash.storage import fs as fs_module
+from dflash.storage.fs import writer_tag
 from dflash.storage.follow import follow_commits
 from dflash.storage.synthetic import synthetic_sample, write_synthetic_shard
 
@@ -237,6 +239,28 @@ def test_claim_by_other_live_process_refused_dead_one_taken_over(tmp_path):
     assert taken is not None
     taken.commit()
     assert store.committed_ids() == [1]
+
+
+def test_an_interrupted_writer_releases_its_claims_and_its_half_written_claim(tmp_path, monkeypatch):
+    store = Store.create_or_open(str(tmp_path), header(num_shards=3))
+    assert store.try_claim(0) is not None  # held, never handed on: what a signal between claim and use leaves
+    real = fs_module.write_durable
+
+    def interrupted(path, data):
+        real(path, data[: len(data) // 2])
+        raise KeyboardInterrupt  # the signal lands mid-write of the next claim
+
+    monkeypatch.setattr(fs_module, "write_durable", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.try_claim(1)
+    monkeypatch.undo()
+    other = tmp_path / "claims" / f"00002.json.1@{socket.gethostname().replace('.', '_')}.0badc0de.partial"
+    other.write_text("{")  # another process's, in flight: not ours to remove
+    crashed = tmp_path / "claims" / f"00002.json.{writer_tag()}.0badc0de.partial"
+    crashed.write_text("{")  # ours, from a write the cleanup itself could not finish
+    assert store.release_own_claims() == 1
+    assert sorted(p.name for p in (tmp_path / "claims").iterdir()) == [other.name]
+    assert store.try_claim(0) is not None and store.try_claim(1) is not None
 
 
 def test_fsspec_memory_store_round_trip():

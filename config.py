@@ -13,6 +13,7 @@ __all__ = [
     "option",
     "parse_layers",
     "parse_val_fraction",
+    "parse_shard_ids",
     "StageConfig",
     "ExtractConfig",
     "TrainConfig",
@@ -46,17 +47,28 @@ def option(default: Any = dataclasses.MISSING, *, help: str, choices: tuple[str,
     return dataclasses.field(default=default, metadata=meta)
 
 
-def parse_layers(value: Any) -> tuple[int, ...] | None:
-    """Return the layer ids of a `--layers` value ("auto" -> None, "1,9,17" -> (1, 9, 17))."""
-    if value is None or str(value).strip().lower() == "auto":
-        return None
+def _parse_ids(value: Any, flag: str, example: str) -> tuple[int, ...]:
+    """Return the ids of a comma-separated option value (or of a list of them)."""
     if isinstance(value, (list, tuple)):
         value = ",".join(str(v) for v in value)
     try:
         return tuple(int(x) for x in str(value).split(",") if x.strip())
     except ValueError:
-        raise ConfigError(f"--layers {value!r}: expected auto or comma-separated layer ids like 1,9,17,25,33") from None
+        raise ConfigError(f"{flag} {value!r}: expected comma-separated ids like {example}") from None
 
+
+def parse_layers(value: Any) -> tuple[int, ...] | None:
+    """Return the layer ids of a `--layers` value ("auto" -> None, "1,9,17" -> (1, 9, 17))."""
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    return _parse_ids(value, "--layers", "1,9,17,25,33 (or auto)")
+
+
+def parse_shard_ids(value: Any) -> tuple[int, ...] | None:
+    """Return the shard ids of a `--val-shards` value ("0,5,9" -> (0, 5, 9); None or "" -> None)."""
+    if value is None or value == () or str(value).strip() == "":
+        return None
+    return _parse_ids(value, "--val-shards", "0,5,9")
 
 
 def parse_val_fraction(value: Any) -> float | None:
@@ -260,6 +272,10 @@ class TrainConfig(StageConfig):
         None, cli_default="auto", parse="parse_val_fraction",
         help="Fraction of shards held out for validation (by shard); auto holds out 2% (1 to 8 shards) of a store "
              "of 20 shards or more and none of a smaller one (`dflash eval` then scores every shard, and says so).")
+    val_shards: tuple[int, ...] | None = option(
+        None, parse="parse_shard_ids", metavar="IDS",
+        help="Hold out exactly these shards (comma-separated ids) instead of --val-fraction's pick: for data laid "
+             "out so that its held-out prompts fill known shards.")
     follow: bool = option(False, help="Train while `dflash extract` is still writing the store.")
     resume: bool = option(False, help="Continue from the newest complete checkpoint of --out.")
     save_every: int = option(1000, help="Checkpoint every N steps (and at the end).")
@@ -291,6 +307,11 @@ class TrainConfig(StageConfig):
         _check(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
         _check(self.val_fraction is None or 0 <= self.val_fraction < 1,
                f"--val-fraction must be auto or in [0, 1), got {self.val_fraction}")
+        _check(self.val_shards is None or self.val_fraction is None,
+               f"--val-shards {self.val_shards} and --val-fraction {self.val_fraction} both choose the held-out "
+               "shards; pass one of them")
+        _check(self.val_shards is None or min(self.val_shards) >= 0,
+               f"--val-shards must be shard ids >= 0, got {self.val_shards}")
         _check(self.save_every_minutes >= 0, f"--save-every-minutes must be >= 0, got {self.save_every_minutes}")
         _check(self.log_every_seconds > 0, f"--log-every-seconds must be > 0, got {self.log_every_seconds}")
         _check(self.save_every >= 1, f"--save-every must be >= 1, got {self.save_every}")

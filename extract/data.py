@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..conversations import ROLES, message, SHAREGPT_ROLES
+from ..conversations import ROLES, SHAREGPT_ROLES, is_sidecar, message
 from ..errors import InputError
 
 __all__ = ["Row", "BadRowLog", "input_files", "read_rows", "fingerprint", "normalise"]
@@ -66,7 +66,9 @@ def _folder_files(folder: Path) -> list[Path]:
         except (ValueError, KeyError, TypeError) as e:
             raise InputError(f"--data {folder}: state.json is not a datasets state file ({e!r}); re-save the dataset") from None
         return [folder / n for n in names]
-    found = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in _FILE_SUFFIXES)
+    # `dflash generate` keeps its record beside what it wrote (FILE.config.json): that is not a data file.
+    found = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in _FILE_SUFFIXES
+                   and not is_sidecar(p))
     if not found:
         raise InputError(f"--data {folder}: a folder with no .jsonl, .json, .parquet or .arrow files; point --data at the data")
     return found

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..conversations import generated_by
 from ..errors import ConfigError, InputError
 from ..facts import NUM_FEATURE_LAYERS, build_target_layer_ids, validate_layer_ids
 from .data import Row, fingerprint, input_files
@@ -135,11 +136,16 @@ def target_fingerprint(model_dir: str | os.PathLike) -> str:
 
 
 def in_form_of(header: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
-    """Return this run's header in the form of a store written before target fingerprints, when it is one.
+    """Return this run's header in the form of an existing store written by an older dflash, when it is one.
 
-    Such a store named its target by path alone (and its records name no header digest): it resumes under that
-    rule, so upgrading dflash never strands a half-written store; a new store always gets the fingerprint.
+    A store written before the data's generation record resumes without one (its header, and so the digest its
+    commit records carry, never had it). A store written before target fingerprints named its target by path
+    alone (and its records name no header digest): it resumes under that rule. So upgrading dflash never strands
+    a half-written store; a new store always gets both.
     """
+    if stored is not None and "generated_by" not in (stored.get("dataset") or {}):
+        header = {**header, "dataset": {k: v for k, v in header["dataset"].items() if k != "generated_by"},
+                  "informational": [k for k in header["informational"] if k != "dataset.generated_by"]}
     if stored is None or "fingerprint" in (stored.get("target") or {}):
         return header
     legacy = {k: v for k, v in header.items() if k != "informational"}
@@ -167,7 +173,9 @@ def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, templa
         "kind": HEADER_KIND,
         # The target is what its config and weights are, not where they lie: a copied or moved folder is the
         # same target (train, too, ignores where the store lies). The path is kept to tell the user, not compared.
-        "informational": ["target.path"],
+        # How `dflash generate` made the data (its numerics above all: decoding that verifies in other numerics
+        # meets text the drafter never saw) is recorded to be shown, not compared.
+        "informational": ["target.path", "dataset.generated_by"],
         "target": {
             "path": os.path.abspath(cfg.model),
             "architecture": archs[0],
@@ -191,6 +199,7 @@ def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, templa
             "files": [f.name for f in files],
             "rows": len(rows),
             "bad_rows": dict(sorted(bad.items())),
+            "generated_by": {f.name: g for f in files if (g := generated_by(f)) is not None},
         },
         "shard_plan": {
             "num_rows": len(rows),

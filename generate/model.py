@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..conversations import sidecar_path
 from ..errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def check_identity(cfg: "GenerateConfig", out: Path, fields: tuple[str, ...]) ->
     """Save the resolved config beside `out`, or refuse to resume into it with other values of `fields`."""
     from ..config import GenerateConfig
 
-    saved_path = out.with_name(out.name + ".config.json")
+    saved_path = sidecar_path(out)
     if not saved_path.exists():
         cfg.save(saved_path)
         return

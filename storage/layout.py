@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from ..nested import flatten, nested_diff
 from ..errors import ManifestMismatch, StoreError
@@ -80,8 +80,15 @@ def record_digest(record: dict) -> str:
 
 def _identity(header: dict) -> dict:
     """Return the header without its informational fields: what two headers must share to be the same store."""
-    skip = set(header.get(INFORMATIONAL) or [])
-    return {k: v for k, v in flatten(header).items() if k not in skip}
+    skip = _informational(header)
+    return {k: v for k, v in flatten(header).items() if not skip(k)}
+
+
+def _informational(*headers: dict) -> Callable[[str], bool]:
+    """Return whether a dotted field is informational in any of the headers: named there, or below a named one
+    ("dataset.generated_by" covers each file's record)."""
+    named = tuple({s for h in headers for s in (h.get(INFORMATIONAL) or [])})
+    return lambda key: any(key == s or key.startswith(s + ".") for s in named)
 
 
 def header_digest(header: dict) -> str:
@@ -127,9 +134,8 @@ def validate_header(header: dict, where: str) -> None:
 
 def header_diff(stored: dict, expected: dict) -> list[tuple[str, Any, Any]]:
     """Return (dotted field, stored value, expected value) for every field that differs; missing reads as None."""
-    skip = set(stored.get(INFORMATIONAL) or []) | set(expected.get(INFORMATIONAL) or [])
     return nested_diff({k: v for k, v in stored.items() if k not in _OWN_KEYS},
-                       {k: v for k, v in expected.items() if k not in _OWN_KEYS}, ignore=skip.__contains__)
+                       {k: v for k, v in expected.items() if k not in _OWN_KEYS}, ignore=_informational(stored, expected))
 
 
 def check_header(stored: dict, expected: dict, where: str) -> None:

@@ -171,3 +171,43 @@ def test_rerun_collects_what_killed_runs_left_and_nothing_live(tiny_qwen3, data_
         live.stdin.close()
         live.wait(timeout=30)
     assert Store.open(str(out)).is_complete()
+
+
+def test_the_store_records_how_generate_made_its_data_and_an_older_store_resumes_without_it(tiny_qwen3, tmp_path):
+    from dflash.conversations import sidecar_path
+    from dflash.storage.layout import header_digest
+    from test_extract_run import write_conversations
+
+    (tmp_path / "data").mkdir()
+    data = write_conversations(tmp_path / "data" / "answers.jsonl", 18)
+    made = {"model": "/m", "dtype": "bfloat16", "engine": "fast", "device": "cuda", "temperature": 0.0,
+            "max_new_tokens": 256, "seed": 0, "batch_size": 1024}
+    sidecar_path(data).write_text(json.dumps(made))  # what `dflash generate --out answers.jsonl` leaves beside it
+    out = tmp_path / "store"
+    # A folder of generate's output: its record is not read as a data file.
+    run(extract_config(tiny_qwen3, data.parent, out))
+    header = Store.open(str(out)).header
+    assert header["dataset"]["files"] == ["answers.jsonl"] and header["dataset"]["rows"] == 18
+    assert header["dataset"]["generated_by"] == {"answers.jsonl": {k: v for k, v in made.items() if k != "batch_size"}}
+    want = store_samples(out)
+    # Regenerated records say something else: shown, never a mismatch (the data file is the same).
+    sidecar_path(data).write_text(json.dumps({**made, "dtype": "float32"}))
+    assert Store.open(str(out)).withdraw(1)
+    run(extract_config(tiny_qwen3, data.parent, out))
+    assert sorted(store_samples(out)) == sorted(want)
+    # A store written before the record existed: its header and its records' digests never had it.
+    meta = json.loads((out / "zarr.json").read_text())
+    old = meta["attributes"]["dflash"]
+    del old["dataset"]["generated_by"]
+    old["informational"] = ["target.path"]
+    (out / "zarr.json").write_text(json.dumps(meta))
+    for path in (out / "commits").glob("*.json"):
+        rec = json.loads(path.read_text())
+        rec["header_xxh3"] = header_digest(Store.open(str(out)).header)
+        rec["record_xxh3"] = record_digest(rec)
+        path.write_bytes(dumps(rec))
+    assert Store.open(str(out)).withdraw(2)
+    run(extract_config(tiny_qwen3, data.parent, out))
+    store = Store.open(str(out))
+    assert store.is_complete() and "generated_by" not in store.header["dataset"]
+    assert verify_store(str(out)) == (store.num_shards, []) and sorted(store_samples(out)) == sorted(want)

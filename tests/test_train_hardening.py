@@ -265,6 +265,29 @@ def test_default_split_and_eval_agree(store, tiny_qwen3, tmp_path, capsys):
     assert result["shards"] == list(range(6)) and "held out none" in result["split"]
 
 
+def test_val_shards_hold_out_exactly_the_named_shards_and_eval_scores_them(store, tiny_qwen3, tmp_path, capsys):
+    from dflash.config import TrainConfig
+    from dflash.errors import ConfigError
+    from dflash.train.plan import split_shards
+
+    assert split_shards(6, None, (4, 1)) == ([0, 2, 3, 5], [1, 4])
+    with pytest.raises(ConfigError, match="shards 0..5"):
+        split_shards(6, None, (6,))
+    with pytest.raises(ConfigError, match="leaving none to train on"):
+        split_shards(2, None, (0, 1))
+    with pytest.raises(ConfigError, match="pass one of them"):
+        TrainConfig(store="s", target="t", out="o", val_shards=(1,), val_fraction=0.5)
+    run = tmp_path / "run"
+    kw = opts(store, tiny_qwen3, run, epochs=1)
+    del kw["val_fraction"]
+    code, _, err = dflash_main(capsys, "train", *flags(kw), "--val-shards", "2,5")
+    assert code == 0, err
+    assert json.loads((run / "config.json").read_text())["resolved"]["val_shards"] == [2, 5]
+    code, out, err = dflash_main(capsys, "eval", "--drafter", str(run), "--store", store, "--json")
+    assert code == 0, err
+    assert json.loads(out)["shards"] == [2, 5]
+
+
 def test_a_fresh_run_with_resume_is_quiet(store, tiny_qwen3, tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         train(**opts(store, tiny_qwen3, tmp_path / "run", resume=True, max_steps=1))

@@ -60,10 +60,11 @@ TRAINER_STATE = "trainer.pt"
 CHECKSUMS = "checksums.json"
 _STEP = re.compile(r"^step-(\d+)$")
 # TrainConfig fields that may change between a run and its resume; every other change is refused by name.
-# (val_fraction may: the split it resolves to, resolved.train_shards/val_shards, is compared instead.)
+# (val_fraction and val_shards may: the split they resolve to, resolved.train_shards/val_shards, is compared instead.)
 RESUMABLE_CHANGES = frozenset(
     {"resume", "epochs", "max_steps", "save_every", "save_every_minutes", "keep", "log_every", "log_every_seconds",
      "tensorboard", "skip_corrupt", "prefetch_shards", "gpus", "follow", "out", "store", "target", "val_fraction",
+     "val_shards",
      "grad_accum"}
 )
 # Resolved facts that may change with them: another GPU count keeps the batches while the slots stay the same

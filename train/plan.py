@@ -43,8 +43,10 @@ def auto_val_count(num_shards: int) -> int:
     return 0 if num_shards < 20 else min(8, max(1, round(0.02 * num_shards)))
 
 
-def split_shards(num_shards: int, val_fraction: float | None) -> tuple[list[int], list[int]]:
-    """Return (train ids, held-out ids) of a shard plan: a fixed pseudo-random pick by shard id alone.
+def split_shards(num_shards: int, val_fraction: float | None,
+                 held_out: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+    """Return (train ids, held-out ids) of a shard plan: the held_out ids when given (--val-shards), else a fixed
+    pseudo-random pick by shard id alone.
 
     At least one shard is held out when val_fraction > 0 and at least one always trains, so a store of one or
     two shards still trains; None is auto_val_count's number. The pick depends on nothing but (num_shards,
@@ -52,6 +54,14 @@ def split_shards(num_shards: int, val_fraction: float | None) -> tuple[list[int]
     """
     if num_shards < 1:
         raise ConfigError(f"a store needs at least one shard to train on, its plan has {num_shards}")
+    if held_out is not None:
+        val = sorted({int(i) for i in held_out})
+        if val and (val[0] < 0 or val[-1] >= num_shards):
+            raise ConfigError(f"--val-shards {','.join(map(str, val))}: the store's plan has shards 0..{num_shards - 1}; "
+                              "pass ids inside it")
+        if len(val) >= num_shards:
+            raise ConfigError(f"--val-shards holds out all {num_shards} shards, leaving none to train on; hold out fewer")
+        return [i for i in range(num_shards) if i not in set(val)], val
     n_val = 0
     if val_fraction is None:
         n_val = auto_val_count(num_shards)

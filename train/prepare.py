@@ -82,7 +82,7 @@ def drafter_config(cfg: "TrainConfig", store: "Store") -> "DrafterConfig":
 
 def run_record(cfg: "TrainConfig", store: "Store", dcfg: "DrafterConfig", world: int) -> dict[str, Any]:
     """Return RUN/config.json's content: the TrainConfig and what it resolved to (store identity, drafter, split)."""
-    train_ids, val_ids = split_shards(store.num_shards, cfg.val_fraction)
+    train_ids, val_ids = split_shards(store.num_shards, cfg.val_fraction, cfg.val_shards)
     header = {k: store.header.get(k) for k in _STORE_IDENTITY}
     return {
         "config": cfg.to_dict(),

@@ -410,10 +410,15 @@ class DemoConfig(StageConfig):
     device: str = option("cpu", choices=("cpu", "cuda"), help="Where every stage runs.")
     budget: str = option("auto", choices=DEMO_BUDGETS,
                          help="How much data and training: auto picks full on cpu, gpu on cuda; tiny is a smoke run.")
+    self_prompts: int | None = option(
+        None, help="Prompts the target writes itself and answers, besides the bundled ones (default: the budget's, "
+                   "10,000 for gpu, 0 for full).")
 
     def __post_init__(self) -> None:
         _check(self.device in ("cpu", "cuda"), f"--device {self.device!r}: use cpu or cuda")
         _check(self.budget in DEMO_BUDGETS, f"--budget {self.budget!r}: use one of {', '.join(DEMO_BUDGETS)}")
+        _check(self.self_prompts is None or self.self_prompts >= 0,
+               f"--self-prompts must be >= 0, got {self.self_prompts}")
         if self.budget == "auto":
             object.__setattr__(self, "budget", "gpu" if self.device == "cuda" else "full")
 

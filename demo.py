@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .atomic import write_atomic
+from .demo_data import DATA_FILE, data_order, held_out_prompt_ids, prompt_lines, write_data, write_lines
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -30,9 +31,8 @@ log = logging.getLogger(__name__)
 STATE_FILE = "demo-state.json"
 SUMMARY_FILE = "summary.json"
 DECODE_FILE = "decode.jsonl"
-DATA_FILE = "data.jsonl"
 CURVE_FILE = "training-curve.png"
-STAGES = ("generate", "extract", "train", "eval", "export", "decode")
+STAGES = ("prompts", "generate", "extract", "train", "eval", "export", "decode")
 # SmolLM2's tokenizer covers every embedding row, so the mask token must be a special token chat never uses:
 # id 16 is <empty_output>, a code-data marker of its pre-training.
 SMOLLM2_MASK_TOKEN = 16
@@ -46,7 +46,7 @@ class Budget:
     gen_tokens: int  # answer length cap of `generate`
     gen_batch: int
     shard_prompts: int  # prompts per shard; the held-out split is by shard, so by prompt
-    val_fraction: float
+    held_out_shards: int  # the first shards, filled with bundled prompts spread over the file (demo_data.py)
     draft_layers: int
     block_size: int
     steps: int
@@ -57,28 +57,34 @@ class Budget:
     decode_tokens: int
     samples: int = 0  # sampled answers per prompt besides the greedy one (more training data from the same prompts)
     sample_temperature: float = 0.8
+    self_prompts: int = 0  # distinct prompts the target writes itself (`dflash generate --self-prompts`), answered too
+    # Numerics of the answers: decoding verifies in float32, and answers made in other numerics part from what it
+    # decodes (bench/RESULTS.md, "Why measured tau falls below tau_hat": 3% of tokens, measured tau -10%).
+    gen_dtype: str = "auto"
 
 
 BUDGETS = {
-    # Sized for a 2-core CPU (about 20 minutes with set-up). The drafter's cost is the target's 49k-row lm_head on
+    # Sized for a 2-core CPU (about 10 minutes with set-up). The drafter's cost is the target's 49k-row lm_head on
     # every predicted slot, so on a CPU many small steps (block 4, 16 anchors per answer) learn more per second than
     # few large ones: measured on the SmolLM2 store, held-out tau_hat 1.06 after 150 steps of block 8 x 32 anchors,
     # 1.16 after 180 steps of this (same time). 1,500 steps would reach 1.31 (1.34 with 600 more, templated,
-    # prompts: bench/prompt_diversity.py) at +5 minutes; far from 2.5 either way: the prompts bound it.
-    "full": Budget(prompts=329, gen_tokens=128, gen_batch=32, shard_prompts=16, val_fraction=0.1, draft_layers=1,
+    # prompts: bench/prompt_diversity.py) at +5 minutes; far from 2.5 either way: the prompts bound it, and the
+    # target writes ~3 prompts a second here (bench/RESULTS.md), too slow for the thousands that would help.
+    "full": Budget(prompts=329, gen_tokens=128, gen_batch=32, shard_prompts=16, held_out_shards=2, draft_layers=1,
                    block_size=4, steps=600, batch_tokens=1024, anchors=16, lr=3e-3, decode_prompts=8,
                    decode_tokens=128),
-    # One GPU (sized for an H200, about 3 minutes): answers twice as long, one sampled answer per prompt besides
-    # the greedy one (about 4x the CPU budget's tokens), a two-layer drafter with block 8. Measured on an H200 with
-    # three sampled answers: held-out tau_hat peaked near 20 epochs and fell after (the drafter memorises the
-    # ~300 training prompts), so the steps stop there.
-    "gpu": Budget(prompts=329, gen_tokens=256, gen_batch=384, shard_prompts=16, val_fraction=0.1, draft_layers=2,
-                  block_size=8, steps=200, batch_tokens=16384, anchors=64, lr=1e-3, decode_prompts=8,
-                  decode_tokens=128, samples=1, sample_temperature=0.8),
+    # One GPU (sized for an H200 within 10 minutes). Held-out tau_hat is bound by the number of distinct training
+    # prompts (~300 bundled ones: 1.34 at best, then memorised), so the target writes 10,000 more and answers them
+    # in float32, the numerics decoding verifies in. Measured on one H200 with 8,000 self-written prompts (bf16
+    # answers) and this drafter: held-out tau_hat 1.75 after 600 steps, 2.30 after 2,400, still rising. This
+    # budget as a whole has not been timed on a GPU yet (bench/demo_gpu.py times it).
+    "gpu": Budget(prompts=329, gen_tokens=256, gen_batch=1024, shard_prompts=32, held_out_shards=1, draft_layers=2,
+                  block_size=8, steps=3000, batch_tokens=16384, anchors=64, lr=1e-3, decode_prompts=16,
+                  decode_tokens=128, self_prompts=10_000, gen_dtype="float32"),
     # The reduced budget of the slow test: every stage runs for real, on a handful of prompts.
-    "tiny": Budget(prompts=20, gen_tokens=24, gen_batch=10, shard_prompts=5, val_fraction=0.25, draft_layers=1,
+    "tiny": Budget(prompts=20, gen_tokens=24, gen_batch=10, shard_prompts=5, held_out_shards=1, draft_layers=1,
                    block_size=4, steps=6, batch_tokens=512, anchors=8, lr=2e-3, decode_prompts=2, decode_tokens=16,
-                   samples=1),
+                   samples=1, self_prompts=5),
 }
 
 
@@ -97,11 +103,12 @@ class _State:
         self.data: dict[str, Any] = {"config": cfg.to_dict(), "stages": {}}
         if self.path.is_file():
             saved = json.loads(self.path.read_text(encoding="utf-8"))
-            if saved.get("config", {}).get("budget") != cfg.budget:
-                raise ConfigError(
-                    f"--out {out}: holds a demo run with --budget {saved.get('config', {}).get('budget')}, "
-                    f"asked for --budget {cfg.budget}; rerun with the same budget or choose a new --out"
-                )
+            for name in ("budget", "self_prompts"):  # what decides the data; a rerun resumes only the same
+                was, now = saved.get("config", {}).get(name), getattr(cfg, name)
+                if was != now:
+                    flag = "--" + name.replace("_", "-")
+                    raise ConfigError(f"--out {out}: holds a demo run with {flag} {was}, asked for {flag} {now}; "
+                                      "rerun with the same value or choose a new --out")
             self.data["stages"] = saved.get("stages", {})
 
     def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -122,87 +129,27 @@ class _State:
         return result
 
 
-def _write_prompts(out: Path, n: int, *, repeat: int = 1, name: str = "prompts.jsonl") -> Path:
-    """Return OUT/name: the first n bundled prompts, each `repeat` times in a row (rewritten only if different)."""
-    from .assets import prompts_path
-
-    lines = [ln for ln in prompts_path().read_text(encoding="utf-8").splitlines() if ln.strip()][:n]
-    path = out / name
-    text = "".join(ln + "\n" for ln in lines for _ in range(repeat))
-    if not path.is_file() or path.read_text(encoding="utf-8") != text:
-        write_atomic(path, text)
-    return path
-
-
-def _answers_by_row(path: Path, rows: int) -> list[str]:
-    """Return the JSON line of each source row 0..rows-1 of a finished `generate` output (torn lines skipped)."""
-    by_row: dict[int, str] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line torn by a killed run; its prompt was answered again further down
-        by_row[int(rec["source_row"])] = json.dumps(rec, ensure_ascii=False)
-    missing = [r for r in range(rows) if r not in by_row]
-    if missing:
-        raise ConfigError(f"{path}: expected answers to rows 0..{rows - 1}, rows {missing[:5]} are missing; "
-                          "rerun `dflash demo` with the same --out to finish generating")
-    return [by_row[r] for r in range(rows)]
-
-
-def _write_data(out: Path, greedy: Path, sampled: Path | None, prompts: int, samples: int) -> Path:
-    """Return OUT/data.jsonl: each prompt's greedy answer followed by its sampled ones, in prompt order.
-
-    A prompt's rows are adjacent and a shard holds whole prompts, so a held-out shard holds every answer of its
-    prompts: nothing of a held-out prompt is trained on.
-    """
-    lines = _answers_by_row(greedy, prompts)
-    extra = _answers_by_row(sampled, prompts * samples) if sampled is not None and samples else []
-    text = "".join(
-        lines[i] + "\n" + "".join(extra[i * samples + j] + "\n" for j in range(samples if extra else 0))
-        for i in range(prompts)
-    )
-    path = out / DATA_FILE
-    if not path.is_file() or path.read_text(encoding="utf-8") != text:
-        write_atomic(path, text)
-    return path
-
-
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _decoded_rows(val_sample_ids: list[list[int]], rows_per_prompt: int, n: int) -> list[int]:
-    """Return the data rows whose prompts are decoded: the greedy row of each held-out prompt, the first n."""
-    rows = [int(r) for ids in val_sample_ids for r in ids if int(r) % rows_per_prompt == 0]
-    return rows[:n]
-
-
-def _held_out_prompts(store_dir: Path, data: Path, run_dir: Path, target: Path, n: int,
-                      rows_per_prompt: int) -> list[list[int]]:
-    """Return the token ids (chat template, generation prompt) of the first n prompts of the held-out shards."""
-    from transformers import AutoTokenizer
-
-    from .extract.data import read_rows
+def _data_numerics(store_dir: Path) -> list[str]:
+    """Return the dtypes the store's data was generated in (its header's record of `dflash generate`)."""
     from .storage import Store
-    from .train.checkpoint import read_run_record
 
-    store = Store.open(str(store_dir))
-    val = read_run_record(run_dir)["resolved"]["val_shards"]
-    rows = read_rows((str(data),))
-    tokenizer = AutoTokenizer.from_pretrained(str(target))
-    prompts = []
-    # A prompt's sampled answers follow its greedy one; it is decoded once.
-    for row in _decoded_rows([store.read_shard(sid).sample_ids.tolist() for sid in val], rows_per_prompt, n):
-        messages = rows[row].messages[:-1]  # drop the target's own answer: it is what we decode
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
-    return prompts
+    made = (Store.open(str(store_dir)).header.get("dataset") or {}).get("generated_by") or {}
+    return sorted({str(g.get("dtype")) for g in made.values()})
 
 
-def _decode(out: Path, cfg: "DemoConfig", budget: Budget, prompts: list[list[int]], target_dir: Path) -> dict:
+def _decode(out: Path, cfg: "DemoConfig", budget: Budget, prompts: list[list[int]], target_dir: Path,
+            numerics: list[str]) -> dict:
     """Return the summary of speculative vs greedy decoding of the prompts, resuming from OUT/decode.jsonl."""
     import torch
+
+    if numerics and numerics != ["float32"]:
+        log.warning("decode: the training answers were generated in %s, decoding verifies in float32: expect "
+                    "measured tau below tau_hat (bench/RESULTS.md, 'Why measured tau falls below tau_hat')",
+                    ", ".join(numerics))
 
     from .drafter.decode import compare_one, drafter_proposer, load_target, summarize
     from .train.checkpoint import open_drafter
@@ -228,7 +175,7 @@ def _decode(out: Path, cfg: "DemoConfig", budget: Budget, prompts: list[list[int
             f.flush()
             log.info("decode %d/%d: %d tokens, tau %.2f, %s greedy", i + 1, len(prompts), row["tokens"], row["tau"],
                      "same as" if row["identical"] else "DIFFERENT from")
-    return summarize(rows)
+    return {**summarize(rows), "data_numerics": numerics}
 
 
 def run(cfg: "DemoConfig") -> dict[str, Any]:
@@ -250,6 +197,25 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
     answers, sampled, data = out / "answers.jsonl", out / "answers-sampled.jsonl", out / DATA_FILE
     store_dir, run_dir, drafter_dir = out / "store", out / "run", out / "drafter"
     rows_per_prompt = 1 + budget.samples
+    n_self = budget.self_prompts if cfg.self_prompts is None else cfg.self_prompts
+
+    def prompts() -> dict[str, Any]:
+        from .assets import prompts_path
+        from .generate import run as gen
+
+        written = None
+        if n_self:
+            written = out / "self-prompts.jsonl"
+            # Not one of the bundled prompts (held-out ones above all), in the target's own words.
+            gen(GenerateConfig(model=str(target), prompts=None, self_prompts=n_self, exclude=(str(prompts_path()),),
+                               out=str(written), batch_size=budget.gen_batch, device=cfg.device))
+        bundled, own = prompt_lines(prompts_path(), budget.prompts, written)
+        held_out = budget.held_out_shards * budget.shard_prompts
+        lines = [(bundled + own)[i] for i in data_order(len(bundled), len(own), held_out)]
+        write_lines(out / "prompts.jsonl", lines)
+        if budget.samples:
+            write_lines(out / "prompts-sampled.jsonl", lines, repeat=budget.samples)
+        return {"bundled": len(bundled), "self_written": len(own), "held_out": held_out}
 
     def generate() -> dict[str, Any]:
         from .generate import run as gen
@@ -257,15 +223,14 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         def answer(prompts: Path, into: Path, temperature: float):
             return gen(GenerateConfig(model=str(target), prompts=str(prompts), out=str(into), temperature=temperature,
                                       max_new_tokens=budget.gen_tokens, batch_size=budget.gen_batch,
-                                      device=cfg.device))
+                                      device=cfg.device, dtype=budget.gen_dtype))
 
-        r = answer(_write_prompts(out, budget.prompts), answers, 0.0)
+        r = answer(out / "prompts.jsonl", answers, 0.0)
         result = {"prompts": r.prompts, "answered_now": r.answered, "new_tokens": r.new_tokens}
         if budget.samples:
-            many = _write_prompts(out, budget.prompts, repeat=budget.samples, name="prompts-sampled.jsonl")
-            s = answer(many, sampled, budget.sample_temperature)
+            s = answer(out / "prompts-sampled.jsonl", sampled, budget.sample_temperature)
             result.update(sampled_answers=s.prompts, sampled_new_tokens=s.new_tokens)
-        _write_data(out, answers, sampled, r.prompts, budget.samples)
+        write_data(out, answers, sampled, r.prompts, budget.samples)
         return result
 
     def extract() -> dict[str, Any]:
@@ -283,7 +248,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         tr(TrainConfig(store=str(store_dir), target=str(target), out=str(run_dir), gpus=gpus, epochs=1000,
                        max_steps=budget.steps, batch_tokens=budget.batch_tokens, lr=budget.lr,
                        draft_layers=budget.draft_layers, block_size=budget.block_size, anchors=budget.anchors,
-                       val_fraction=budget.val_fraction, resume=True, save_every=max(1, budget.steps // 6),
+                       val_shards=tuple(range(budget.held_out_shards)), resume=True, save_every=max(1, budget.steps // 6),
                        log_every=max(1, budget.steps // 30), dtype="bfloat16", warmup_ratio=0.04))
         vals = [m for m in read_metrics(run_dir) if m.get("split") == "val"]
         return {"steps": budget.steps, "val_tau_hat": vals[-1]["tau_hat"] if vals else None}
@@ -303,9 +268,10 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         return {"path": str(drafter_dir), "bytes": _dir_bytes(drafter_dir)}
 
     def decode() -> dict[str, Any]:
-        prompts = _held_out_prompts(store_dir, data, run_dir, target, budget.decode_prompts, rows_per_prompt)
-        return _decode(out, cfg, budget, prompts, target)
+        prompts = held_out_prompt_ids(store_dir, data, run_dir, target, budget.decode_prompts, rows_per_prompt)
+        return _decode(out, cfg, budget, prompts, target, _data_numerics(store_dir))
 
+    pr_r = state.stage("prompts", prompts)
     gen_r = state.stage("generate", generate)
     ext_r = state.stage("extract", extract)
     tr_r = state.stage("train", train)
@@ -320,6 +286,8 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         "device": cfg.device,
         "budget": cfg.budget,
         "prompts_answered": gen_r["prompts"],
+        "self_written_prompts": pr_r["self_written"],
+        "answers_dtype": ", ".join(dec_r.get("data_numerics") or []) or None,
         "tokens_extracted": ext_r["tokens"],
         "store_bytes": ext_r["bytes"],
         "training_seconds": tr_r["seconds"],
@@ -376,9 +344,12 @@ def format_table(t: dict[str, Any]) -> str:
     held = f", {t['held_out_prompts']} prompts held out" if t.get("held_out_prompts") is not None else ""
     trained = f", trained on {t['tokens_trained_on']:,} tokens" if t.get("tokens_trained_on") is not None else ""
     same = t.get("tau_hat_decoded_same_anchors")
+    own = f", {t['self_written_prompts']:,} of them written by the target" if t.get("self_written_prompts") else ""
+    dtype = f", answers in {t['answers_dtype']}" if t.get("answers_dtype") else ""
     rows = [
         ("target", f"{t['target']} on {t['device']}"),
-        ("tokens extracted", f"{t['tokens_extracted']:,} ({t['prompts_answered']} prompts answered{held})"),
+        ("tokens extracted", f"{t['tokens_extracted']:,} ({t['prompts_answered']} prompts answered{own}{held}"
+                             f"{dtype})"),
         ("store size", f"{t['store_bytes'] / 1e6:.1f} MB"),
         ("training time", f"{t['training_seconds']:.0f} s ({t['training_steps']} steps, drafter {t['drafter']}"
                           f"{trained})"),

@@ -51,11 +51,21 @@ def test_demo_tiny_budget_survives_a_kill_and_ends_in_the_table(tmp_path):
     stages = _stages(out)
     # The rerun continued: generation was not redone (same record, same answers), every later stage ran.
     assert stages["generate"] == first["generate"]
-    assert (out / "answers.jsonl").read_text().splitlines() == answers and len(answers) == 20
-    assert set(stages) == {"generate", "extract", "train", "eval", "export", "decode"}
+    assert (out / "answers.jsonl").read_text().splitlines() == answers and len(answers) == 25
+    assert set(stages) == {"prompts", "generate", "extract", "train", "eval", "export", "decode"}
+    # 5 prompts the target wrote itself, none a bundled one; the held-out shard holds bundled prompts only.
+    from dflash.assets import prompts_path
+
+    bundled = [json.loads(ln) for ln in prompts_path().read_text().splitlines() if ln.strip()]
+    written = [json.loads(ln)["prompt"] for ln in (out / "self-prompts.jsonl").read_text().splitlines()]
+    asked = [json.loads(ln) for ln in (out / "prompts.jsonl").read_text().splitlines()]
+    assert len(set(written)) == 5 and not set(written) & {b.get("prompt") for b in bundled}
+    assert asked[:5] == [bundled[i] for i in (0, 4, 8, 12, 16)] and [a["prompt"] for a in asked[20:]] == written
+    assert json.loads((out / "run" / "config.json").read_text())["resolved"]["val_shards"] == [0]
 
     table = json.loads((out / "summary.json").read_text())
-    assert table["prompts_answered"] == 20 and table["tokens_extracted"] > 20 * 24
+    assert table["prompts_answered"] == 25 and table["self_written_prompts"] == 5 and table["tokens_extracted"] > 25 * 24
+    assert table["answers_dtype"] == "float32"  # the numerics decoding verifies in, recorded in the store
     assert table["store_bytes"] > table["tokens_extracted"] * 5 * 576  # 5 layers of bf16 features, compressed < 2x
     assert 1.0 <= table["tau_hat"] <= 4 and 1.0 <= table["tau"] <= 4
     # fp32 greedy and speculative decoding must agree token for token, however weak the drafter.
@@ -85,6 +95,9 @@ def test_demo_refuses_another_budget_in_the_same_folder(tmp_path):
     (tmp_path / "demo-state.json").write_text(json.dumps({"config": {"budget": "full"}, "stages": {}}))
     with pytest.raises(ConfigError, match="--budget full.*--budget tiny"):
         demo.run(DemoConfig(out=str(tmp_path), budget="tiny"))
+    (tmp_path / "demo-state.json").write_text(json.dumps({"config": {"budget": "tiny", "self_prompts": None}}))
+    with pytest.raises(ConfigError, match="--self-prompts None, asked for --self-prompts 7"):
+        demo.run(DemoConfig(out=str(tmp_path), budget="tiny", self_prompts=7))
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="found a file"):
         demo.run(DemoConfig(out=str(tmp_path / "file"), budget="tiny"))
@@ -127,7 +140,7 @@ def test_format_table_says_plainly_when_speculative_decoding_is_slower_on_the_cl
 
 
 def test_data_file_keeps_each_prompts_answers_together_in_prompt_order(tmp_path):
-    from dflash import demo
+    from dflash import demo_data as demo
     from dflash.extract.plan import shard_ranges
 
     def rec(row: int, text: str, prompt: int | None = None) -> str:
@@ -140,17 +153,17 @@ def test_data_file_keeps_each_prompts_answers_together_in_prompt_order(tmp_path)
     sampled = tmp_path / "answers-sampled.jsonl"  # prompt i is rows 2i, 2i+1; a torn line of a killed run
     sampled.write_text(rec(5, "s2b", 2) + "\n" + '{"messages": [{"ro\n' + "".join(
         rec(r, f"s{r // 2}{'ab'[r % 2]}", r // 2) + "\n" for r in (4, 0, 3, 1, 2)))
-    data = demo._write_data(tmp_path, greedy, sampled, prompts=3, samples=2)
+    data = demo.write_data(tmp_path, greedy, sampled, prompts=3, samples=2)
     rows = [json.loads(ln) for ln in data.read_text().splitlines()]
     answers = [r["messages"][-1]["content"] for r in rows]
     assert answers == ["g0", "s0a", "s0b", "g1", "s1a", "s1b", "g2", "s2a", "s2b"]
     assert [r["messages"][0]["content"] for r in rows] == ["q0"] * 3 + ["q1"] * 3 + ["q2"] * 3
     # Shards of whole prompts: a held-out shard holds every answer of its prompts, and each is decoded once.
     assert shard_ranges(len(rows), 2 * 3) == [(0, 6), (6, 9)]
-    assert demo._decoded_rows([[6, 7, 8], [0, 1, 2, 3, 4, 5]], 3, 5) == [6, 0, 3]
+    assert demo.decoded_rows([[6, 7, 8], [0, 1, 2, 3, 4, 5]], 3, 5) == [6, 0, 3]
     with pytest.raises(ConfigError, match="rows \\[2\\] are missing"):
         greedy.write_text(rec(0, "g0") + "\n" + rec(1, "g1") + "\n")
-        demo._write_data(tmp_path, greedy, None, prompts=3, samples=0)
+        demo.write_data(tmp_path, greedy, None, prompts=3, samples=0)
 
 
 def test_budget_auto_follows_the_device_and_bad_budgets_are_named():
@@ -158,3 +171,23 @@ def test_budget_auto_follows_the_device_and_bad_budgets_are_named():
     assert DemoConfig(device="cuda", budget="full").budget == "full"
     with pytest.raises(ConfigError, match="--budget 'huge'.*auto, full, gpu, tiny"):
         DemoConfig(budget="huge")
+
+
+def test_held_out_prompts_come_first_spread_over_the_bundled_file_whatever_the_self_written_count():
+    from dflash import demo_data
+    from dflash.demo import BUDGETS
+    from dflash.extract.plan import shard_ranges
+
+    assert demo_data.held_out_prompts(329, 32) == [j * 329 // 32 for j in range(32)]
+    assert demo_data.data_order(6, 0, 2) == [0, 3, 1, 2, 4, 5]
+    assert demo_data.data_order(6, 3, 2) == [0, 3, 1, 2, 4, 5, 6, 7, 8]
+    with pytest.raises(ConfigError, match="holds out 6 of its 6 bundled prompts"):
+        demo_data.data_order(6, 100, 6)
+    for name, b in BUDGETS.items():  # every budget's held-out shards are whole and hold bundled prompts only
+        held = b.held_out_shards * b.shard_prompts
+        for extra in (0, b.self_prompts):
+            order = demo_data.data_order(b.prompts, extra, held)
+            ranges = shard_ranges(len(order), b.shard_prompts)
+            assert sorted(order) == list(range(b.prompts + extra)), name
+            assert all(order[i] < b.prompts for s in ranges[: b.held_out_shards] for i in range(*s)), name
+            assert ranges[b.held_out_shards - 1][1] == held and len(ranges) > b.held_out_shards, name

@@ -24,7 +24,8 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .config import DemoConfig
 
-__all__ = ["Budget", "BUDGETS", "run", "format_table"]
+__all__ = ["Budget", "BUDGETS", "run", "format_table", "extract_config", "train_config", "data_numerics",
+           "decode_prompts"]
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,29 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _data_numerics(store_dir: Path) -> list[str]:
+def extract_config(budget: Budget, target: Path, data: Path, store_dir: Path, gpus: str, **over: Any) -> Any:
+    """Return the ExtractConfig of the demo's extract stage (over: fields to change, as bench/fp8_price.py's codec)."""
+    from .config import ExtractConfig
+
+    return ExtractConfig(**{**dict(model=str(target), data=(str(data),), out=str(store_dir), gpus=gpus,
+                                   shard_size=budget.shard_prompts * (1 + budget.samples), max_length=1024,
+                                   batch_tokens=8192, min_loss_tokens=4, mask_token_id=SMOLLM2_MASK_TOKEN,
+                                   dtype="float32"), **over})
+
+
+def train_config(budget: Budget, store_dir: Path, target: Path, run_dir: Path, gpus: str) -> Any:
+    """Return the TrainConfig of the demo's train stage: the budget's drafter, its held-out shards held out."""
+    from .config import TrainConfig
+
+    return TrainConfig(store=str(store_dir), target=str(target), out=str(run_dir), gpus=gpus, epochs=1000,
+                       max_steps=budget.steps, batch_tokens=budget.batch_tokens, lr=budget.lr,
+                       draft_layers=budget.draft_layers, block_size=budget.block_size, anchors=budget.anchors,
+                       val_shards=tuple(range(budget.held_out_shards)), resume=True,
+                       save_every=max(1, budget.steps // 6), log_every=max(1, budget.steps // 30), dtype="bfloat16",
+                       warmup_ratio=0.04)
+
+
+def data_numerics(store_dir: Path) -> list[str]:
     """Return the dtypes the store's data was generated in (its header's record of `dflash generate`)."""
     from .storage import Store
 
@@ -141,34 +164,32 @@ def _data_numerics(store_dir: Path) -> list[str]:
     return sorted({str(g.get("dtype")) for g in made.values()})
 
 
-def _decode(out: Path, cfg: "DemoConfig", budget: Budget, prompts: list[list[int]], target_dir: Path,
-            numerics: list[str]) -> dict:
-    """Return the summary of speculative vs greedy decoding of the prompts, resuming from OUT/decode.jsonl."""
+def decode_prompts(path: Path, drafter_dir: Path, target_dir: Path, prompts: list[list[int]], *, device: str,
+                   max_new_tokens: int, numerics: list[str]) -> dict:
+    """Return the summary of speculative vs greedy decoding of the prompts, resuming from the JSONL at path."""
     import torch
+
+    from .drafter.decode import compare_one, drafter_proposer, load_target, summarize
+    from .train.checkpoint import open_drafter
 
     if numerics and numerics != ["float32"]:
         log.warning("decode: the training answers were generated in %s, decoding verifies in float32: expect "
                     "measured tau below tau_hat (bench/RESULTS.md, 'Why measured tau falls below tau_hat')",
                     ", ".join(numerics))
-
-    from .drafter.decode import compare_one, drafter_proposer, load_target, summarize
-    from .train.checkpoint import open_drafter
-
-    device = "cuda" if cfg.device == "cuda" else "cpu"
+    device = "cuda" if device == "cuda" else "cpu"
     # fp32 both ways: greedy ties then break the same in a one-token step and in a block verification.
     target = load_target(target_dir, device=device, dtype=torch.float32)
-    drafter = open_drafter(out / "drafter", device=device, dtype=torch.float32)
+    drafter = open_drafter(drafter_dir, device=device, dtype=torch.float32)
     stops = sorted({int(t) for t in [target.generation_config.eos_token_id] if t is not None}
                    if not isinstance(target.generation_config.eos_token_id, list)
                    else set(target.generation_config.eos_token_id))
-    path = out / DECODE_FILE
     rows = [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()] if path.is_file() else []
     rows = rows[: len(prompts)]
     propose = drafter_proposer(drafter, target)
     with open(path, "a", encoding="utf-8") as f:
         for i in range(len(rows), len(prompts)):
             row = compare_one(target, propose, prompts[i], block_size=drafter.config.block_size,
-                              layer_ids=drafter.config.target_layer_ids, max_new_tokens=budget.decode_tokens,
+                              layer_ids=drafter.config.target_layer_ids, max_new_tokens=max_new_tokens,
                               stop_ids=stops, parity=True)
             rows.append(row)
             f.write(json.dumps(row) + "\n")
@@ -181,7 +202,7 @@ def _decode(out: Path, cfg: "DemoConfig", budget: Budget, prompts: list[list[int
 def run(cfg: "DemoConfig") -> dict[str, Any]:
     """Return the final table (also printed and written to OUT/summary.json) after running every stage left."""
     from .assets import smollm2_folder
-    from .config import ExtractConfig, GenerateConfig, TrainConfig
+    from .config import GenerateConfig
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     budget = BUDGETS[cfg.budget]
@@ -236,20 +257,14 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
     def extract() -> dict[str, Any]:
         from .extract import run as ext
 
-        s = ext(ExtractConfig(model=str(target), data=(str(data),), out=str(store_dir), gpus=gpus,
-                              shard_size=budget.shard_prompts * rows_per_prompt, max_length=1024, batch_tokens=8192, min_loss_tokens=4,
-                              mask_token_id=SMOLLM2_MASK_TOKEN, dtype="float32"))
+        s = ext(extract_config(budget, target, data, store_dir, gpus))
         return {"samples": s["samples"], "tokens": s["tokens"], "bytes": _dir_bytes(store_dir)}
 
     def train() -> dict[str, Any]:
         from .train import run as tr
         from .train.metrics import read_metrics
 
-        tr(TrainConfig(store=str(store_dir), target=str(target), out=str(run_dir), gpus=gpus, epochs=1000,
-                       max_steps=budget.steps, batch_tokens=budget.batch_tokens, lr=budget.lr,
-                       draft_layers=budget.draft_layers, block_size=budget.block_size, anchors=budget.anchors,
-                       val_shards=tuple(range(budget.held_out_shards)), resume=True, save_every=max(1, budget.steps // 6),
-                       log_every=max(1, budget.steps // 30), dtype="bfloat16", warmup_ratio=0.04))
+        tr(train_config(budget, store_dir, target, run_dir, gpus))
         vals = [m for m in read_metrics(run_dir) if m.get("split") == "val"]
         return {"steps": budget.steps, "val_tau_hat": vals[-1]["tau_hat"] if vals else None}
 
@@ -269,7 +284,8 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
 
     def decode() -> dict[str, Any]:
         prompts = held_out_prompt_ids(store_dir, data, run_dir, target, budget.decode_prompts, rows_per_prompt)
-        return _decode(out, cfg, budget, prompts, target, _data_numerics(store_dir))
+        return decode_prompts(out / DECODE_FILE, drafter_dir, target, prompts, device=cfg.device,
+                              max_new_tokens=budget.decode_tokens, numerics=data_numerics(store_dir))
 
     pr_r = state.stage("prompts", prompts)
     gen_r = state.stage("generate", generate)

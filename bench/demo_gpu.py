@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-STAGES_DONE = ("generate", "extract")
+STAGES_DONE = ("prompts", "generate", "extract")
 
 
 def _variant_child(out: str, overrides: dict, device: str, budget: str) -> None:

@@ -79,7 +79,7 @@ BUDGETS = {
     # in float32, the numerics decoding verifies in. Measured on one H200 with 8,000 self-written prompts (bf16
     # answers) and this drafter: held-out tau_hat 1.75 after 600 steps, 2.30 after 2,400, still rising. This
     # budget as a whole has not been timed on a GPU yet (bench/demo_gpu.py times it).
-    "gpu": Budget(prompts=329, gen_tokens=256, gen_batch=1024, shard_prompts=32, held_out_shards=1, draft_layers=2,
+    "gpu": Budget(prompts=329, gen_tokens=256, gen_batch=1024, shard_prompts=64, held_out_shards=1, draft_layers=2,
                   block_size=8, steps=3000, batch_tokens=16384, anchors=64, lr=1e-3, decode_prompts=16,
                   decode_tokens=128, self_prompts=10_000, gen_dtype="float32"),
     # The reduced budget of the slow test: every stage runs for real, on a handful of prompts.

@@ -56,3 +56,23 @@ def test_the_log_gives_query_tokens_and_flops_beside_context_tokens(tmp_path, ti
     steps = [r for r in read_metrics(run) if r.get("split") == "train"]
     assert steps and all(r["query_tokens_per_s"] > 0 and r["tflops_per_s"] > 0 for r in steps)
     assert all(r["mfu"] is None for r in steps)  # a CPU has no known peak: no made-up MFU
+
+
+def test_the_progress_line_gives_query_tokens_and_mfu_beside_context_tokens(tmp_path, caplog):
+    import logging
+
+    from dflash.train.metrics import RunLog
+
+    rec = {"split": "train", "step": 1, "epoch": 0, "loss": 1.0, "acc": 0.5, "tau_hat": 1.5, "lr": 1e-4,
+           "grad_norm": 1.0, "tokens_per_s": 12345.0, "query_tokens_per_s": 6789.0, "tflops_per_s": 400.0,
+           "mfu": 0.404, "data_wait": 0.01, "prefetch_depth": 2}
+    with caplog.at_level(logging.INFO):
+        log = RunLog(tmp_path, total_steps=2, start_step=0, tensorboard=False)
+        try:
+            log.step(rec)
+            log.step({**rec, "step": 2, "mfu": None})  # a device of unknown peak: no made-up MFU
+        finally:
+            log.close()
+    text = caplog.text
+    assert "12,345 ctx tok/s 6,789 query tok/s MFU 40.4%" in text
+    assert text.count("MFU") == 1

@@ -6,6 +6,7 @@ turned into a step number at each log line and broadcast, so every rank takes th
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
 __all__ = ["Trainer", "train_rank", "planned_total"]
 
 log = logging.getLogger(__name__)
+
+# Follow mode decides the next round (the shards committed by then) once the current one has this many steps left,
+# so its first shards are read while these steps train; earlier would leave later commits to the round after.
+FOLLOW_AHEAD_STEPS = 4
 
 
 def planned_total(epoch_steps: Callable[[int], int], first_epoch: int, epochs: int, max_steps: int,
@@ -71,6 +76,8 @@ class Window:
 class Trainer:
     """One rank's run: the store, the run folder, the learner, the loader state; `train()` does the whole run."""
 
+    read_ahead = True  # read the next round's first shards while a round ends (off: each round starts cold)
+
     def __init__(self, cfg: "TrainConfig") -> None:
         from ..storage import Store
         from ..storage.follow import wait_for_store
@@ -95,7 +102,7 @@ class Trainer:
 
     def _setup(self, cfg: "TrainConfig", record: dict[str, Any]) -> None:
         from .objective import max_blocks_for
-        from .stream import StreamSpec
+        from .stream import RoundStreams, StreamSpec
 
         dist = self.dist
         self.resume_from = prepare_run_folder(cfg, record)
@@ -121,6 +128,8 @@ class Trainer:
         self.stopped = False
         self.corrupt: set[int] = set()
         self.stream: Any = None
+        self.streams = RoundStreams(self.store, self.spec)
+        self.planned: dict[tuple[Any, ...], Round] = {}  # the plans of this round and the next one
         self.runlog: RunLog | None = None
         self.peak = self.device_peak(dist.device)
 
@@ -163,6 +172,28 @@ class Trainer:
     def plan(self, ids: list[int], epoch: int, round_index: int) -> Round:
         """Return the plan of one round of shards."""
         return plan_round(self.lengths.load(ids), ids, epoch=epoch, round_index=round_index, **self.plan_kw)
+
+    def plan_of(self, ids: list[int], epoch: int, round_index: int) -> Round:
+        """Return `plan`, made once for the round that is read ahead and then trained."""
+        key = (tuple(ids), epoch, round_index)
+        if key not in self.planned:
+            self.planned = {k: v for k, v in self.planned.items() if k[1:] >= (epoch, round_index)}
+            self.planned[key] = self.plan(ids, epoch, round_index)
+        return self.planned[key]
+
+    def upcoming(self, rounds: Any, following: bool, epoch: int, index: int) -> Round | None:
+        """Return the plan of the round after round `index` of `epoch` if it is known now (None if not, or if there
+        is none). Following, this looks at the store once, on every rank together (FollowRounds.ahead)."""
+        if following:
+            nxt = rounds.ahead()
+            if nxt is None:
+                return None
+            if nxt != "done":
+                return self.plan_of(nxt, epoch, index + 1)
+            shards = sorted({s for r in self.state.rounds for s in r})  # what epoch() takes for the next epochs
+        else:
+            shards = self.state.shards
+        return self.plan_of(shards, epoch + 1, 0) if epoch + 1 < self.cfg.epochs else None
 
     def epoch_steps(self, epoch: int) -> int:
         """Return the steps of a full epoch over the run's training shards."""
@@ -257,6 +288,7 @@ class Trainer:
                 self.validate(self.state.epoch)
             self.checkpoints.wait()  # the last checkpoint is on disk before the run says it is done
         finally:
+            self.streams.close()
             self.finish_saving()
             if self.runlog is not None:
                 self.runlog.close()
@@ -276,13 +308,14 @@ class Trainer:
         """Train one epoch round by round; then record it, and validate."""
         epoch, offset, dropped = self.state.epoch, 0, [0, 0]
         following = self.following
-        for index, ids in enumerate(self.rounds()):
-            plan = self.plan(ids, epoch, index)
+        rounds = self.rounds()
+        for index, ids in enumerate(rounds):
+            plan = self.plan_of(ids, epoch, index)
             dropped = [dropped[0] + plan.dropped_samples, dropped[1] + plan.dropped_tokens]
             if following and not self.cfg.max_steps and self.resume_from is None and index == 0:
                 self.set_total(estimate_total(plan.steps, len(ids), len(self.train_ids), self.cfg.epochs,
                                               self.cfg.max_steps))
-            self.round(plan, epoch, offset)
+            self.round(plan, epoch, offset, functools.partial(self.upcoming, rounds, following, epoch, index))
             offset += plan.steps
             if self.stopped:
                 return
@@ -295,27 +328,42 @@ class Trainer:
         self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
         self.validate(epoch)
 
-    def round(self, plan: Round, epoch: int, offset: int) -> None:
-        """Train the steps of one round this run has not taken yet, streaming its shards."""
-        from .stream import RoundStream
-
+    def round(self, plan: Round, epoch: int, offset: int, upcoming: Callable[[], Round | None] | None = None) -> None:
+        """Train the steps of one round this run has not taken yet, streaming its shards; `upcoming` gives the
+        next round's plan, whose first shards are then read while this round's last steps train."""
         start = max(0, self.state.step_in_epoch - offset)
         if start >= plan.steps:
             return
-        self.stream = RoundStream(self.store, plan, self.spec, epoch=epoch, step_offset=offset, start=start)
+        self.stream = self.streams.open(plan, epoch=epoch, step_offset=offset, start=start)
+        told = upcoming is None or not self.read_ahead
         try:
             while True:
                 if self.cfg.max_steps and self.step >= self.cfg.max_steps:
                     self.stopped = True
                     return
+                if not told:
+                    told = self.tell_ahead(plan.steps - (self.state.step_in_epoch - offset), upcoming)
                 item, waited = self.stream.get()
                 if item is None:
                     return
                 self.take_step(item, waited, epoch)
         finally:
             self.corrupt.update(self.stream.corrupt)
-            self.stream.close()
+            self.streams.end()
             self.stream = None
+
+    def tell_ahead(self, left: int, upcoming: Callable[[], Round | None]) -> bool:
+        """Hand the stream the next round to read ahead, if it is known now; return False to be asked again at the
+        next step (follow mode, until the store has a round ready). `left`: this round's steps not taken yet."""
+        if self.cfg.max_steps and self.step + left >= self.cfg.max_steps:
+            return True  # the run stops within this round
+        if self.following and left > FOLLOW_AHEAD_STEPS:
+            return False
+        nxt = upcoming()
+        if nxt is None:
+            return not self.following
+        self.streams.read_ahead(nxt)
+        return True
 
     def take_step(self, item: "StepData", waited: float, epoch: int) -> None:
         """Run one optimizer step on a step's data, then log and save when they are due."""

@@ -86,8 +86,10 @@ class RunLog:
         self.write(record)
         step = record["step"]
         if self.tb is not None:
-            for key in ("loss", "acc", "tau_hat", "lr", "grad_norm", "tokens_per_s", "query_tokens_per_s", "data_wait"):
-                self.tb.add_scalar(f"{record.get('split', 'train')}/{key}", record[key], step)
+            for key in ("loss", "acc", "tau_hat", "lr", "grad_norm", "tokens_per_s", "query_tokens_per_s",
+                        "tflops_per_s", "mfu", "data_wait"):
+                if record.get(key) is not None:  # no MFU on a device of unknown peak
+                    self.tb.add_scalar(f"{record.get('split', 'train')}/{key}", record[key], step)
         text = (f"loss {record['loss']:.4f} acc {record['acc']:.3f} tau {record['tau_hat']:.3f} "
                 f"lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} ctx tok/s "
                 f"{record.get('query_tokens_per_s', 0):,.0f} query tok/s"

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..storage import ShardData, Store
     from ..drafter.batch import PackedBatch
 
-__all__ = ["StreamSpec", "RoundStream", "StepData"]
+__all__ = ["StreamSpec", "RoundStream", "RoundStreams", "StepData"]
 
 log = logging.getLogger(__name__)
 
@@ -59,26 +59,32 @@ def take_buffer(free: list[Any], n: int) -> tuple[Any, list[Any]]:
 
 
 class _ShardPrefetcher:
-    """Reads whole shards in a fixed order on a thread, holding at most `capacity` shards at once."""
+    """Reads whole shards on a thread, round after round in a fixed order, holding at most `capacity` at once.
+
+    Round 0's order comes at construction; `extend` queues the next round's, which the thread starts on as soon as
+    every read of the rounds before it has started and a slot is free: the next round's first shards are read while
+    the current round's last steps are still being consumed. Shards are keyed by (round, shard id), so a shard in
+    two epochs is two reads, each counted against the same bound.
+    """
 
     def __init__(self, store: "Store", order: list[int], capacity: int, skip_corrupt: bool, pin: bool) -> None:
-        self.store, self.order, self.skip_corrupt, self.pin = store, order, skip_corrupt, pin
-        self.slots = threading.Semaphore(capacity)
+        self.store, self.skip_corrupt, self.pin = store, skip_corrupt, pin
+        self.orders: list[list[int]] = [list(order)]
+        self.capacity, self.held = capacity, 0
         self.cond = threading.Condition()
-        self.ready: dict[int, Any] = {}
-        self.touched: set[int] = set()
+        self.ready: dict[tuple[int, int], Any] = {}
+        self.touched: set[tuple[int, int]] = set()
+        self.started: list[tuple[int, int]] = []  # (round, shard) of every read begun, in order: what read ahead
         self.stop = False
         self.corrupt: list[int] = []
-        self.buffers: dict[int, Any] = {}  # pinned memory of each shard held
+        self.buffers: dict[tuple[int, int], Any] = {}  # pinned memory of each shard held
         self.free: list[Any] = []  # pinned memory of released shards, for reuse
         self.thread = threading.Thread(target=self._run, name="dflash-prefetch", daemon=True)
         self.thread.start()
 
-    def _read(self, sid: int) -> "ShardData":
+    def _read(self, sid: int, key: tuple[int, int]) -> "ShardData":
         if not self.pin:
             return self.store.read_shard(sid)
-        import torch
-
         rec = self.store.commit_record(sid)
         n = max(1, int(rec["num_tokens"]) * len(self.store.header["layer_ids"]) * int(self.store.header["hidden_size"]))
         # Pinning memory is slow (it maps and locks every page), so released buffers are reused for later shards.
@@ -87,7 +93,7 @@ class _ShardPrefetcher:
         if buf is None:
             buf = self._alloc(n)
         with self.cond:
-            self.buffers[sid] = buf
+            self.buffers[key] = buf
         return self.store.read_shard(sid, out=buf)
 
     def _alloc(self, n: int) -> Any:
@@ -95,59 +101,108 @@ class _ShardPrefetcher:
 
         return torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
 
-    def _run(self) -> None:
-        for sid in self.order:
-            self.slots.acquire()
-            if self.stop:
-                return
-            try:
-                data: Any = self._read(sid)
-            except CorruptShard as e:
-                if not self.skip_corrupt:
-                    data = CorruptShard(f"{e}; or rerun `dflash train --resume` with --skip-corrupt to train without it")
-                else:
-                    log.warning("skipping corrupt shard (--skip-corrupt): %s", e)
-                    self.corrupt.append(sid)
-                    data = None
-            except BaseException as e:  # handed to the consumer, which re-raises it on the training thread
-                data = e
-            with self.cond:
-                self.ready[sid] = data
-                self.cond.notify_all()
-
-    def get(self, sid: int) -> "ShardData | None":
-        """Return a shard once read (None if it was corrupt and skipped); re-raise its read error."""
+    def _slot(self, rnd: int) -> bool:
+        """Wait for room to read one more shard of round `rnd`; return False once stopped."""
         with self.cond:
-            while sid not in self.ready:
+            while not self.stop and (self.held >= self.capacity or rnd >= len(self.orders)):
+                self.cond.wait()
+            if self.stop:
+                return False
+            self.held += 1
+            return True
+
+    def _run(self) -> None:
+        rnd = 0
+        while True:
+            with self.cond:
+                while not self.stop and rnd >= len(self.orders):
+                    self.cond.wait()
+                if self.stop:
+                    return
+                order = self.orders[rnd]
+            for sid in order:
+                if not self._slot(rnd):
+                    return
+                key = (rnd, sid)
+                with self.cond:
+                    self.started.append(key)
+                    self.cond.notify_all()
+                try:
+                    data: Any = self._read(sid, key)
+                except CorruptShard as e:
+                    if not self.skip_corrupt:
+                        data = CorruptShard(f"{e}; or rerun `dflash train --resume` with --skip-corrupt to train without it")
+                    else:
+                        log.warning("skipping corrupt shard (--skip-corrupt): %s", e)
+                        self.corrupt.append(sid)
+                        data = None
+                except BaseException as e:  # handed to the consumer, which re-raises it on the training thread
+                    data = e
+                with self.cond:
+                    self.ready[key] = data
+                    self.cond.notify_all()
+            rnd += 1
+
+    def extend(self, order: list[int]) -> int:
+        """Queue the next round's shards, read once this round's reads have all begun; return that round's number."""
+        with self.cond:
+            self.orders.append(list(order))
+            self.cond.notify_all()
+            return len(self.orders) - 1
+
+    def advance(self, capacity: int) -> None:
+        """Take the bound of the round whose steps start now (the one before has released all its shards)."""
+        with self.cond:
+            self.capacity = capacity
+            self.cond.notify_all()
+
+    def get(self, sid: int, rnd: int = 0) -> "ShardData | None":
+        """Return a shard of round `rnd` once read (None if it was corrupt and skipped); re-raise its read error."""
+        key = (rnd, sid)
+        with self.cond:
+            while key not in self.ready:
                 if self.stop:
                     raise _Stopped()
                 self.cond.wait()
-            data = self.ready[sid]
-            self.touched.add(sid)
+            data = self.ready[key]
+            self.touched.add(key)
         if isinstance(data, BaseException):
             raise data
         return data
 
-    def release(self, sid: int) -> None:
+    def release(self, sid: int, rnd: int = 0) -> None:
         """Drop a shard nobody needs any more, making room for the next read."""
+        key = (rnd, sid)
         with self.cond:
-            self.ready.pop(sid, None)
-            buf = self.buffers.pop(sid, None)
+            self.ready.pop(key, None)
+            self.touched.discard(key)
+            buf = self.buffers.pop(key, None)
             if buf is not None:
                 self.free = sorted([*self.free, buf], key=lambda b: b.numel())[-4:]  # keep the largest few
-        self.slots.release()
+            self.held -= 1
+            self.cond.notify_all()
 
     def depth(self) -> int:
         """Return how many shards are read and waiting, not yet used by any step."""
         with self.cond:
             return sum(1 for s in self.ready if s not in self.touched)
 
+    def begun(self, rnd: int) -> int:
+        """Return how many reads of round `rnd` have begun."""
+        with self.cond:
+            return sum(1 for r, _ in self.started if r == rnd)
+
+    def wait_begun(self, rnd: int, timeout: float | None = None) -> bool:
+        """Wait until a read of round `rnd` has begun; return whether one has."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.stop or any(r == rnd for r, _ in self.started), timeout)
+            return any(r == rnd for r, _ in self.started)
+
     def close(self) -> None:
         """Stop reading and wait for the thread to end (at most one shard read away)."""
         with self.cond:
             self.stop = True
             self.cond.notify_all()
-        self.slots.release()
         # Joined, not abandoned: a daemon thread still inside a shard read (pinned allocation, decoder threads)
         # when the interpreter exits can abort the process ("terminate called without an active exception").
         if self.thread is not threading.current_thread():
@@ -170,51 +225,64 @@ class StreamSpec:
     ahead: int = 2  # steps of batches built ahead
 
 
+def _schedule(plan: Round, slots: list[int], steps: range) -> tuple[list[int], dict[int, int], int]:
+    """Return (shards in order of first use, last step using each, most shards any step range holds at once)."""
+    order: list[int] = []
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for s in steps:
+        for batch in (plan.batches[k][s] for k in slots):
+            for sid, _, _ in batch:
+                if sid not in first:
+                    first[sid] = s
+                    order.append(sid)
+                last[sid] = s
+    # Shards first used at or before step s and last used at or after it are held together: sweep the steps.
+    events = sorted([(first[sid], 1) for sid in order] + [(last[sid] + 1, -1) for sid in order])
+    live = held = 1 if not order else 0
+    for _, delta in events:
+        held += delta
+        live = max(live, held)
+    return order, last, live
+
+
 class RoundStream:
-    """Iterator over StepData of this rank's slots for steps start..round.steps-1 of one round."""
+    """Iterator over StepData of this rank's slots for steps start..round.steps-1 of one round.
+
+    `ahead` is (a prefetcher, the number of its round that reads this round's shards) handed over by RoundStreams
+    from the round before; without it the stream starts its own prefetcher.
+    """
 
     def __init__(self, store: "Store", plan: Round, spec: StreamSpec, *, epoch: int, step_offset: int,
-                 start: int) -> None:
+                 start: int, ahead: "tuple[_ShardPrefetcher, int] | None" = None) -> None:
         self.plan, self.spec, self.epoch, self.offset = plan, spec, epoch, step_offset
         self.slots, self.device = spec.slots, spec.device
         self.steps = range(start, plan.steps)
-        order, last_use, live = self._schedule()
-        self.last_use = last_use
-        self.prefetch = _ShardPrefetcher(store, order, live + spec.depth, spec.skip_corrupt, spec.device.type == "cuda")
+        order, last_use, live = _schedule(plan, self.slots, self.steps)
+        self.order, self.last_use = order, last_use
+        if ahead is None:
+            self.prefetch = _ShardPrefetcher(store, order, live + spec.depth, spec.skip_corrupt,
+                                             spec.device.type == "cuda")
+            self.rnd = 0
+        else:
+            self.prefetch, self.rnd = ahead
+            self.prefetch.advance(live + spec.depth)
+        self.owns = True  # False once the prefetcher is handed on to the next round's stream
         self.queue: queue.Queue = queue.Queue(maxsize=spec.ahead)
         self.error: BaseException | None = None
+        self.ended = False  # every step was yielded
         self.thread = threading.Thread(target=self._produce, name="dflash-batches", daemon=True)
         self.thread.start()
 
     def _step_samples(self, s: int) -> list[list[Sample]]:
         return [self.plan.batches[k][s] for k in self.slots]
 
-    def _schedule(self) -> tuple[list[int], dict[int, int], int]:
-        """Return (shards in order of first use, last step using each, most shards any step range holds at once)."""
-        order: list[int] = []
-        first: dict[int, int] = {}
-        last: dict[int, int] = {}
-        for s in self.steps:
-            for batch in self._step_samples(s):
-                for sid, _, _ in batch:
-                    if sid not in first:
-                        first[sid] = s
-                        order.append(sid)
-                    last[sid] = s
-        # Shards first used at or before step s and last used at or after it are held together: sweep the steps.
-        events = sorted([(first[sid], 1) for sid in order] + [(last[sid] + 1, -1) for sid in order])
-        live = held = 1 if not order else 0
-        for _, delta in events:
-            held += delta
-            live = max(live, held)
-        return order, last, live
-
     def _pack(self, samples: list[Sample], s: int, slot: int) -> tuple["PackedBatch | None", int]:
         from .objective import pack_batch
 
         seqs, skipped = [], 0
         for sid, idx, n in samples:
-            data = self.prefetch.get(sid)
+            data = self.prefetch.get(sid, self.rnd)
             if data is None:
                 skipped += 1
                 continue
@@ -249,7 +317,7 @@ class RoundStream:
                     stream.synchronize()  # copies done: the pinned shard memory may be released now
                 for sid in {x[0] for batch in self._step_samples(s) for x in batch}:
                     if self.last_use[sid] == s:
-                        self.prefetch.release(sid)
+                        self.prefetch.release(sid, self.rnd)
                 self.queue.put(StepData(self.offset + s, micro, tokens, skipped))
         except _Stopped:
             pass
@@ -267,6 +335,7 @@ class RoundStream:
             self.queue.put(_END)
             if self.error is not None:
                 raise self.error
+            self.ended = True
             raise StopIteration
         if self.device.type == "cuda":
             import torch
@@ -297,7 +366,10 @@ class RoundStream:
         return self.prefetch.depth()
 
     def close(self) -> None:
-        """Stop the threads (used when training stops before the round ends)."""
+        """Stop the threads (used when training stops before the round ends); a prefetcher handed on is kept."""
+        if not self.owns:
+            self.thread.join()
+            return
         self.prefetch.close()
         while self.thread.is_alive():
             try:
@@ -305,3 +377,60 @@ class RoundStream:
             except queue.Empty:
                 pass
             self.prefetch.close()
+
+
+class RoundStreams:
+    """A run's streams, one round after another; told the next round, the current stream reads its shards ahead.
+
+    The next round's order is queued on the current round's prefetcher, which begins it as soon as its own reads
+    have all begun and a slot is free (same bound: at most the current round's shards in flight), and the next
+    stream takes that prefetcher over, so an epoch or round boundary does not start cold. Batches do not depend on
+    it: a stream packs the same samples whoever read its shards; an order that does not match is dropped.
+    """
+
+    def __init__(self, store: "Store", spec: StreamSpec) -> None:
+        self.store, self.spec = store, spec
+        self.stream: RoundStream | None = None
+        self.ahead: tuple[list[int], _ShardPrefetcher, int] | None = None  # (order, prefetcher, its round)
+        self.handed = 0  # rounds that started with shards read ahead (for tests and logs)
+
+    def open(self, plan: Round, *, epoch: int, step_offset: int, start: int) -> RoundStream:
+        """Return the stream of one round, taking over the shards read ahead for it, if any."""
+        ahead, self.ahead = self.ahead, None
+        take = None
+        if ahead is not None:
+            order, pf, rnd = ahead
+            if order == _schedule(plan, self.spec.slots, range(start, plan.steps))[0]:
+                take = (pf, rnd)
+                self.handed += 1
+            else:
+                pf.close()
+        self.stream = RoundStream(self.store, plan, self.spec, epoch=epoch, step_offset=step_offset, start=start,
+                                  ahead=take)
+        return self.stream
+
+    def read_ahead(self, plan: Round) -> None:
+        """Queue the first shards of the round after the current one (its steps from 0) on the current stream."""
+        if self.stream is None or self.ahead is not None or not self.stream.owns:
+            return
+        order = _schedule(plan, self.spec.slots, range(plan.steps))[0]
+        pf = self.stream.prefetch
+        self.ahead = (order, pf, pf.extend(order))
+
+    def end(self) -> None:
+        """Close the current stream; a round that ran to its end hands its prefetcher on to the next one."""
+        stream, self.stream = self.stream, None
+        if stream is None:
+            return
+        if stream.ended and self.ahead is not None:
+            stream.owns = False
+        elif self.ahead is not None:
+            self.ahead = None  # the stream's own prefetcher, closed with it
+        stream.close()
+
+    def close(self) -> None:
+        """Stop every thread, the read-ahead ones too."""
+        self.end()
+        if self.ahead is not None:
+            self.ahead[1].close()
+            self.ahead = None

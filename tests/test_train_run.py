@@ -281,7 +281,7 @@ def test_tensorboard_missing_is_a_clear_error(store, tiny_qwen3, tmp_path):
 
 
 def test_the_step_total_plans_epochs_only_up_to_max_steps():
-    from dflash.train.loop import planned_total
+    from dflash.train.plan import planned_total
 
     asked: list[int] = []
 
@@ -307,14 +307,14 @@ def test_max_steps_caps_a_run_of_a_million_epochs(store, tiny_qwen3, tmp_path):
 def test_pinned_buffers_of_several_sizes_are_reused_by_identity(store):
     import torch
 
-    from dflash.train.stream import _ShardPrefetcher, take_buffer
+    from dflash.train.prefetch import ShardPrefetcher, take_buffer
 
     small, big, bigger = (torch.zeros(n, dtype=torch.bfloat16) for n in (10, 50, 90))
     buf, rest = take_buffer([small, big, bigger], 40)  # list.remove(big) compared small == big: size mismatch
     assert buf is big and len(rest) == 2 and rest[0] is small and rest[1] is bigger
     assert take_buffer([small], 11) == (None, [small])
 
-    class Unpinned(_ShardPrefetcher):  # this machine has no pinned-memory allocator (no GPU); the pool is the same
+    class Unpinned(ShardPrefetcher):  # this machine has no pinned-memory allocator (no GPU); the pool is the same
         def _alloc(self, n):
             return torch.empty(n, dtype=torch.bfloat16)
 

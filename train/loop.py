@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -18,8 +17,8 @@ from .checkpoint import Checkpointer, rng_state, set_rng_state, write_run_record
 from .dist import Dist
 from .follow import FollowRounds, estimate_total
 from .learner import Learner
-from .metrics import RunLog, plot_run, require_tensorboard, truncate_metrics
-from .plan import LoaderState, Round, plan_round
+from .metrics import RunLog, Window, plot_run, require_tensorboard, truncate_metrics
+from .plan import LoaderState, Round, plan_round, planned_total
 from .prepare import (ShardLengths, check_out_folder, drafter_config, prepare_run_folder,
                       resume_grad_accum, run_record, warn_cpu_sizes)
 
@@ -28,49 +27,13 @@ if TYPE_CHECKING:
     from .objective import Metrics
     from .stream import StepData
 
-__all__ = ["Trainer", "train_rank", "planned_total"]
+__all__ = ["Trainer", "train_rank"]
 
 log = logging.getLogger(__name__)
 
 # Follow mode decides the next round (the shards committed by then) once the current one has this many steps left,
 # so its first shards are read while these steps train; earlier would leave later commits to the round after.
 FOLLOW_AHEAD_STEPS = 4
-
-
-def planned_total(epoch_steps: Callable[[int], int], first_epoch: int, epochs: int, max_steps: int,
-                  done: int = 0) -> int:
-    """Return the run's total steps: `done` plus the planned steps of epochs first_epoch.., capped by max_steps.
-
-    Epochs are planned only until the cap is reached: a run of --epochs 100000 --max-steps 700 plans ~90 epochs,
-    not 100,000 (which took minutes before its first step).
-    """
-    total = done
-    for e in range(first_epoch, epochs):
-        if max_steps and total >= max_steps:
-            break
-        total += epoch_steps(e)
-    return min(total, max_steps) if max_steps else total
-
-
-@dataclass
-class Window:
-    """What happened since the last log line: its start, seconds waiting for data, tokens, FLOPs, summed metrics."""
-
-    start: float
-    wait: float = 0.0
-    tokens: int = 0
-    steps: int = 0
-    flops: float = 0.0
-    metrics: "Metrics | None" = None
-
-    def add(self, item: "StepData", waited: float, metrics: "Metrics | None", flops: float = 0.0) -> None:
-        """Count one step."""
-        self.steps += 1
-        self.flops += flops
-        self.wait += waited
-        self.tokens += item.tokens
-        if metrics is not None:
-            self.metrics = metrics if self.metrics is None else self.metrics + metrics
 
 
 class Trainer:

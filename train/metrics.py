@@ -5,14 +5,20 @@ import io
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..atomic import write_atomic
 from ..errors import DflashError
 from ..runtime import Progress
 
-__all__ = ["METRICS_FILE", "PLOT_FILE", "require_tensorboard", "read_metrics", "truncate_metrics", "RunLog", "plot_run"]
+if TYPE_CHECKING:
+    from .objective import Metrics
+    from .stream import StepData
+
+__all__ = ["METRICS_FILE", "PLOT_FILE", "require_tensorboard", "read_metrics", "truncate_metrics", "RunLog", "Window",
+           "plot_run"]
 
 log = logging.getLogger(__name__)
 
@@ -149,3 +155,24 @@ def plot_run(run: str | os.PathLike) -> Path | None:
     plt.close(fig)
     write_atomic(out, buf.getvalue())
     return out
+
+
+@dataclass
+class Window:
+    """What happened since the last log line: its start, seconds waiting for data, tokens, FLOPs, summed metrics."""
+
+    start: float
+    wait: float = 0.0
+    tokens: int = 0
+    steps: int = 0
+    flops: float = 0.0
+    metrics: "Metrics | None" = None
+
+    def add(self, item: "StepData", waited: float, metrics: "Metrics | None", flops: float = 0.0) -> None:
+        """Count one step."""
+        self.steps += 1
+        self.flops += flops
+        self.wait += waited
+        self.tokens += item.tokens
+        if metrics is not None:
+            self.metrics = metrics if self.metrics is None else self.metrics + metrics

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError
 
 __all__ = [
+    "planned_total",
     "LOADER_STATE_VERSION",
     "Sample",
     "Round",
@@ -247,3 +248,18 @@ class LoaderState:
         self.shards = [int(s) for s in state.get("shards", [])]
         self.rounds = [[int(s) for s in r] for r in state.get("rounds", [])]
         self.follow_done = bool(state.get("follow_done", False))
+
+
+def planned_total(epoch_steps: Callable[[int], int], first_epoch: int, epochs: int, max_steps: int,
+                  done: int = 0) -> int:
+    """Return the run's total steps: `done` plus the planned steps of epochs first_epoch.., capped by max_steps.
+
+    Epochs are planned only until the cap is reached: a run of --epochs 100000 --max-steps 700 plans ~90 epochs,
+    not 100,000 (which took minutes before its first step).
+    """
+    total = done
+    for e in range(first_epoch, epochs):
+        if max_steps and total >= max_steps:
+            break
+        total += epoch_steps(e)
+    return min(total, max_steps) if max_steps else total

@@ -252,8 +252,9 @@ class Supervisor:
         """Print `dflash extract --dry-run`'s plan (kept in RUN/logs/plan.log); return its exit code."""
         self.logs.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "dflash.cli", *self.argv("extract", dry_run=True)]
+        # Its own session, as the stages': a terminal's Ctrl-C reaches the supervisor alone, which stops it.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, start_new_session=True)
         asked = False
         while True:
             try:
@@ -261,7 +262,7 @@ class Supervisor:
                 break
             except subprocess.TimeoutExpired:
                 if self.signum is not None and not asked:
-                    proc.terminate()  # SIGTERM to the supervisor alone: the plan is not waited for
+                    proc.terminate()  # the plan is not waited for
                     asked = True
         (self.logs / "plan.log").write_text(err + out)
         if self.signum is not None:
@@ -287,7 +288,7 @@ class Supervisor:
         self.extract_done = self.store.complete
         if not self.extract_done:
             code = self.plan()
-            if self.signum is not None:  # Ctrl-C reached the plan too (it said so in plan.log), or SIGTERM came
+            if self.signum is not None:
                 return self.interrupted()
             if code != 0 or self.extract_cfg.dry_run:
                 return code

@@ -106,9 +106,8 @@ def assert_stopped_cleanly(p: subprocess.Popen, err: str, sig: int, kids: dict[s
     assert err.rstrip().splitlines()[-1] == RESUME, err[-3000:]
     assert err.count(RESUME) == 1 and "dflash: interrupted" not in err, err[-3000:]  # one line, said once
     assert "Traceback" not in err and "Aborted" not in err, err[-3000:]
-    logs = tmp_path / "run" / "logs"
-    for name in ("extract.log", "train.log"):
-        text = (logs / name).read_text()
+    for log in (tmp_path / "run" / "logs").glob("*.log"):  # the plan's and both stages'
+        text = log.read_text()
         assert "Traceback" not in text, text[-3000:]
     left = processes_of(set(kids.values()), str(tmp_path))
     assert not left, left
@@ -187,9 +186,10 @@ def test_a_signal_during_the_plan_starts_no_stage(tiny_qwen3, many_rows, tmp_pat
     _, err = p.communicate(timeout=STOP_TIMEOUT)
     assert p.returncode == 128 + sig, err[-3000:]
     assert err.rstrip().splitlines() == [RESUME], err[-3000:]  # the plan's own line is in plan.log only
-    assert not processes_of({plan}, str(tmp_path))
+    assert "Traceback" not in err and not processes_of({plan}, str(tmp_path))
     logs = tmp_path / "run" / "logs"
     assert not (logs / "extract.log").exists() and not (logs / "train.log").exists()
+    assert "Traceback" not in (logs / "plan.log").read_text()
 
 
 GROUP_LEADER = """

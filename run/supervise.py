@@ -32,6 +32,7 @@ METRICS = "metrics.jsonl"  # written by `dflash train` in its run folder
 RUN_RECORD = "config.json"  # likewise: its "resolved" part records the run's slots
 POLL_S = 0.2
 STOP_TIMEOUT_S = 60.0
+SWEEP_S = 5.0  # how long what a stage left in its process group may take to end by itself (a resource tracker)
 
 
 def grow_gpus(train: str, extract: str, slots: int) -> list[int] | None:
@@ -98,7 +99,32 @@ class Stage:
         except subprocess.TimeoutExpired:
             self.signal(signal.SIGKILL)
             self.proc.wait()
+        self.sweep()
         return self.proc.returncode
+
+    def group_gone(self, timeout: float) -> bool:
+        """Return True once no process of the child's group lives (its pid stays reserved while one does); False
+        if one still does after timeout seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+    def sweep(self) -> None:
+        """Once the child has ended, kill what it left in its process group (a worker, a rank) after SWEEP_S."""
+        if self.proc is None or self.proc.poll() is None or self.group_gone(SWEEP_S):
+            return
+        log.warning("dflash run: %s left processes in its process group %d; killing them", self.name, self.proc.pid)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.group_gone(SWEEP_S)
 
     def last_line(self) -> str:
         """Return the last non-empty line the child wrote (its error, for a deterministic failure)."""
@@ -199,6 +225,7 @@ class Supervisor:
         self.metrics = Metrics(self.run)
         self.store = StoreView(cfg.store)
         self.signum: int | None = None
+        self.pressed_again = False
         self.train_gpus = cfg.train_gpus
         self.grow_at: int | None = None  # the checkpoint step after which training is stopped to grow
         self.extract_done = False
@@ -225,18 +252,35 @@ class Supervisor:
         """Print `dflash extract --dry-run`'s plan (kept in RUN/logs/plan.log); return its exit code."""
         self.logs.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "dflash.cli", *self.argv("extract", dry_run=True)]
-        done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        (self.logs / "plan.log").write_text(done.stderr + done.stdout)
-        if done.returncode == 0:
-            print(done.stdout.rstrip(), file=sys.stderr, flush=True)
+        # Its own session, as the stages': a terminal's Ctrl-C reaches the supervisor alone, which stops it.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        asked = False
+        while True:
+            try:
+                out, err = proc.communicate(timeout=POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if self.signum is not None and not asked:
+                    proc.terminate()  # the plan is not waited for
+                    asked = True
+        (self.logs / "plan.log").write_text(err + out)
+        if self.signum is not None:
+            pass  # main says the one line of a stop
+        elif proc.returncode == 0:
+            print(out.rstrip(), file=sys.stderr, flush=True)
         else:
-            lines = [x for x in (done.stderr + done.stdout).splitlines() if x.strip()]
-            print(lines[-1] if lines else f"dflash run: the plan failed with exit code {done.returncode}",
+            lines = [x for x in (err + out).splitlines() if x.strip()]
+            print(lines[-1] if lines else f"dflash run: the plan failed with exit code {proc.returncode}",
                   file=sys.stderr, flush=True)
-        return done.returncode
+        return proc.returncode
 
     def on_signal(self, signum: int, frame: Any) -> None:
-        self.signum = signum
+        """Note Ctrl-C or SIGTERM for the main loop; the first one sets the exit code."""
+        if self.signum is None:
+            self.signum = signum
+        else:
+            self.pressed_again = True  # said by stop_all: printing here could re-enter a print of the main thread
 
     def main(self) -> int:
         """Return the exit code of the whole job (0: store complete and training done)."""
@@ -244,6 +288,8 @@ class Supervisor:
         self.extract_done = self.store.complete
         if not self.extract_done:
             code = self.plan()
+            if self.signum is not None:
+                return self.interrupted()
             if code != 0 or self.extract_cfg.dry_run:
                 return code
             self.extract.start(self.argv("extract"))
@@ -320,6 +366,7 @@ class Supervisor:
 
     def died(self, st: Stage, code: int, name: str) -> int | None:
         """Decide what an unexpected exit of a stage means: stop the job, or restart the stage after a backoff."""
+        st.sweep()
         if code == DETERMINISTIC:
             print(f"dflash run: {name} failed: {st.last_line()}", file=sys.stderr, flush=True)
             self.stop_all()
@@ -368,12 +415,25 @@ class Supervisor:
         log.info("dflash run: %s | %s | job ETA %s", ext, tr, format_eta(max(ext_eta, tr_eta)))
 
     def stop_all(self) -> None:
-        """Stop both stages (SIGTERM to each group, then wait)."""
-        for st in (self.extract, self.train):
+        """Stop both stages: SIGTERM to each group, wait STOP_TIMEOUT_S for both, then SIGKILL what is left.
+
+        A second Ctrl-C meanwhile is answered once: the stages unwind (claims released, a checkpoint published),
+        which a kill would cut short, so it is not escalated.
+        """
+        stages = [st for st in (self.extract, self.train) if st.proc is not None]
+        for st in stages:
             st.signal(signal.SIGTERM)
-        for st in (self.extract, self.train):
-            if st.proc is not None:
-                st.stop()
+        deadline, said = time.monotonic() + STOP_TIMEOUT_S, False
+        while any(st.running for st in stages) and time.monotonic() < deadline:
+            if self.pressed_again and not said:
+                said = True
+                print("dflash run: still stopping: "
+                      + ", ".join(f"{st.name} (pid {st.proc.pid})" for st in stages if st.running)
+                      + f" finishing a checkpoint or a shard; killed {STOP_TIMEOUT_S:.0f} s after the stop began",
+                      file=sys.stderr, flush=True)
+            time.sleep(POLL_S / 4)
+        for st in stages:
+            st.stop(timeout=0)  # SIGKILL to a group still running; what a stage left in its group is swept
 
     def interrupted(self) -> int:
         """Stop both stages after Ctrl-C or SIGTERM; return 130 or 143."""
@@ -398,7 +458,8 @@ def supervise(cfg: RunConfig, extract: ExtractConfig, train: TrainConfig) -> int
     try:
         return sup.main()
     finally:
+        sup.stop_all()  # a no-op after a stop; after an error, no stage is left running
         for s, handler in old.items():
-            signal.signal(s, handler)
-        if sup.signum is None:
-            sup.stop_all()
+            # Once a signal has stopped the job, nothing is left to stop: a further Ctrl-C while the process exits
+            # would only print a second message (or kill the interpreter mid-exit), so it is ignored.
+            signal.signal(s, handler if sup.signum is None else signal.SIG_IGN)

@@ -21,6 +21,8 @@ from typing import Any
 
 from ..config import ExtractConfig, RunConfig, TrainConfig, parse_gpus
 from ..runtime import format_eta
+from .stage import STOP_TIMEOUT_S, Stage
+from .watch import Metrics, StoreView
 
 __all__ = ["supervise", "grow_gpus", "Stage", "Supervisor"]
 
@@ -28,11 +30,8 @@ log = logging.getLogger(__name__)
 
 DETERMINISTIC = 2  # a DflashError: the same command fails the same way again
 STOPPED = (130, 143, -signal.SIGINT, -signal.SIGTERM)
-METRICS = "metrics.jsonl"  # written by `dflash train` in its run folder
-RUN_RECORD = "config.json"  # likewise: its "resolved" part records the run's slots
+RUN_RECORD = "config.json"  # written by `dflash train` in its run folder: its "resolved" part records the slots
 POLL_S = 0.2
-STOP_TIMEOUT_S = 60.0
-SWEEP_S = 5.0  # how long what a stage left in its process group may take to end by itself (a resource tracker)
 
 
 def grow_gpus(train: str, extract: str, slots: int) -> list[int] | None:
@@ -46,171 +45,6 @@ def grow_gpus(train: str, extract: str, slots: int) -> list[int] | None:
         if slots % n == 0:
             return pool[:n]
     return None
-
-
-class Stage:
-    """One child `dflash` command in its own process group, its output appended to RUN/logs/NAME.log."""
-
-    def __init__(self, name: str, log_path: Path) -> None:
-        self.name, self.log_path = name, log_path
-        self.proc: subprocess.Popen | None = None
-        self.failures = 0  # deaths since the stage last made progress
-        self.restart_at: float | None = None
-        self.stop_asked = False
-        self.log_start = 0
-
-    def start(self, argv: list[str]) -> None:
-        """Start `python -m dflash.cli ARGV` with its output appended to the log."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as f:
-            self.log_start = f.tell()
-            f.write(f"--- dflash run: starting {self.name}: dflash {' '.join(argv)}\n".encode())
-            f.flush()
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            self.proc = subprocess.Popen([sys.executable, "-m", "dflash.cli", *argv], stdout=f, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        self.stop_asked, self.restart_at = False, None
-
-    @property
-    def running(self) -> bool:
-        """Return True while the child runs."""
-        return self.proc is not None and self.proc.poll() is None
-
-    def poll(self) -> int | None:
-        """Return the child's exit code once it has ended (None while it runs or when none was started)."""
-        return None if self.proc is None else self.proc.poll()
-
-    def signal(self, sig: int) -> None:
-        """Send sig to the child's whole process group (its ranks and workers too)."""
-        if self.running:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
-        """Stop the child (SIGTERM to its group, SIGKILL after timeout); return its exit code."""
-        if self.proc is None:
-            return None
-        self.stop_asked = True
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.proc.wait()
-        self.sweep()
-        return self.proc.returncode
-
-    def group_gone(self, timeout: float) -> bool:
-        """Return True once no process of the child's group lives (its pid stays reserved while one does); False
-        if one still does after timeout seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                os.killpg(self.proc.pid, 0)
-            except (ProcessLookupError, PermissionError):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
-
-    def sweep(self) -> None:
-        """Once the child has ended, kill what it left in its process group (a worker, a rank) after SWEEP_S."""
-        if self.proc is None or self.proc.poll() is None or self.group_gone(SWEEP_S):
-            return
-        log.warning("dflash run: %s left processes in its process group %d; killing them", self.name, self.proc.pid)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        self.group_gone(SWEEP_S)
-
-    def last_line(self) -> str:
-        """Return the last non-empty line the child wrote (its error, for a deterministic failure)."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self.log_start)
-                lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
-        except OSError:
-            return ""
-        return lines[-1].strip() if lines else ""
-
-
-class Metrics:
-    """Reads the run's metrics.jsonl as it grows (and after a resume rewrites it): last step record, checkpoints."""
-
-    def __init__(self, run: Path) -> None:
-        self.path, self.offset, self.ino = run / METRICS, 0, None
-        self.last: dict[str, Any] | None = None
-        self.checkpoint = -1  # newest step a checkpoint event was seen for
-
-    def poll(self) -> None:
-        """Read what was appended since the last call."""
-        try:
-            st = self.path.stat()
-        except FileNotFoundError:
-            return
-        if st.st_ino != self.ino or st.st_size < self.offset:  # replaced by a resume's truncation
-            self.ino, self.offset = st.st_ino, 0
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # a torn last line is read once it is whole
-        self.offset += end
-        for line in data[:end].splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("split") == "train":
-                self.last = rec
-            elif rec.get("event") == "checkpoint":
-                self.checkpoint = max(self.checkpoint, int(rec["step"]))
-
-
-class StoreView:
-    """The store as its commit records show it: shards committed, their tokens, completeness, rate since start."""
-
-    def __init__(self, url: str) -> None:
-        self.url, self.store = url, None
-        self.tokens: dict[int, int] = {}
-        self.t0, self.base = time.monotonic(), None
-
-    def poll(self) -> None:
-        """Read the commit records written since the last call."""
-        from ..errors import DflashError
-        from ..storage import Store
-
-        if self.store is None:
-            try:
-                self.store = Store.open(self.url)
-            except DflashError:
-                return
-        for sid in self.store.committed_ids():
-            if sid not in self.tokens:
-                try:
-                    self.tokens[sid] = int(self.store.commit_record(sid)["num_tokens"])
-                except DflashError:
-                    self.tokens[sid] = 0
-        if self.base is None:
-            self.base = (len(self.tokens), sum(self.tokens.values()))
-
-    @property
-    def complete(self) -> bool:
-        """Return True once extract has marked the store complete."""
-        return self.store is not None and self.store.is_complete()
-
-    def line(self) -> tuple[str, float]:
-        """Return the progress text and the seconds left (inf when unknown)."""
-        if self.store is None:
-            return "extract: starting", float("inf")
-        total, done = self.store.num_shards, len(self.tokens)
-        elapsed = max(time.monotonic() - self.t0, 1e-9)
-        shards = done - (self.base or (0, 0))[0]
-        rate = (sum(self.tokens.values()) - (self.base or (0, 0))[1]) / elapsed
-        eta = (total - done) * elapsed / shards if shards else (0.0 if done >= total else float("inf"))
-        return f"extract {done}/{total} shards, {rate:,.0f} tok/s, ETA {format_eta(eta)}", eta
 
 
 class Supervisor:

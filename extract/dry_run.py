@@ -218,7 +218,8 @@ def format_plan(plan: ExtractPlan, out: str, codec: str) -> str:
     eta = format_eta(plan.extract_s) if plan.extract_s is not None else "unknown"
     fits = "unknown"
     if plan.projected_left_bytes is not None and plan.free_bytes is not None:
-        fits = "yes" if plan.projected_left_bytes <= plan.free_bytes else "NO (pass --codec fp8, fewer rows, another --out, or --force)"
+        fits = ("yes" if plan.projected_left_bytes <= plan.free_bytes
+                else f"NO (pass {fp8_advice()}, fewer rows, another --out, or --force)")
     lines = [
         f"plan of {out}:",
         f"  data       {plan.rows:,} rows in {plan.shards:,} shards ({plan.shards_left:,} left to extract)",
@@ -237,6 +238,14 @@ def format_plan(plan: ExtractPlan, out: str, codec: str) -> str:
 # Stored / raw bf16 feature bytes by codec, as measured (bench/RESULTS.md: 0.68-0.70 lossless on real SmolLM2 and
 # random-init 8B features, fp8 0.43), for the estimate a plain `dflash extract` checks before it starts.
 CODEC_RATIO = {"blosc": 0.70, "none": 1.0, "fp8": 0.43}
+# What fp8 features cost a drafter, measured (bench/RESULTS.md, "fp8's price", bench/fp8_price.py): the CPU demo's
+# drafter trained from its blosc store and from an fp8 store of the same data, scored on the same held-out prompts.
+FP8_PRICE = "on the CPU demo's drafter held-out tau_hat 1.248 -> 1.254 and measured tau 1.233 -> 1.231"
+
+
+def fp8_advice() -> str:
+    """Return the suggestion of --codec fp8 with what it saves and what it was measured to cost."""
+    return f"--codec fp8 (about {CODEC_RATIO['fp8']:.2f}x of raw bf16; {FP8_PRICE})"
 
 
 def estimate_plan(cfg: Any, header: dict[str, Any], rows: list[Any], committed: set[int]) -> ExtractPlan:
@@ -261,6 +270,6 @@ def check_fits(plan: ExtractPlan, out: str) -> None:
         return
     raise StoreError(
         f"--out {out}: the store needs {_size(need)} more but {plan.free_path} has {_size(free)} free; "
-        "pass --codec fp8 (about 0.43x of raw bf16), extract fewer rows, choose another --out, or --force to "
+        f"pass {fp8_advice()}, extract fewer rows, choose another --out, or --force to "
         f"start anyway ({'measured' if plan.bytes_per_token else 'estimated from the data; --dry-run measures it'})"
     )

@@ -30,6 +30,7 @@ RESUME = "dflash run: stopped; rerun the same command to resume extraction and t
 # start on cpu); one slot so training starts on the first committed shard.
 ROWS = 1200
 MAX_STEPS = 300
+SHARDS = ROWS // 8  # test_run's EXTRACT: shards of 8 rows
 TRAIN_FLAGS = ["--grad-accum", "1", "--max-steps", str(MAX_STEPS), "--save-every", "5", "--keep", "2"]
 STOP_TIMEOUT = 90  # the supervisor's stop waits for both stages to unwind; far below its 60 s SIGKILL per stage
 
@@ -71,10 +72,18 @@ def start_both(model: Path, data: Path, tmp_path: Path) -> tuple[subprocess.Pope
     argv = run_argv(model, data, store, run, *TRAIN_FLAGS)
     p = dflash(*argv)
     deadline = time.monotonic() + 300
+    paused = None
     while not (committed(store) >= 1 and losses(run) and Checkpointer(run).latest() is not None):
         assert p.poll() is None, p.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "timed out waiting for a commit and a step"
+        if paused is None and committed(store) >= SHARDS - 20 and "extract" in (kids := children(p.pid)):
+            # On a fast machine extraction could finish before training has made a checkpoint: hold it near its
+            # end (its whole process group, as a terminal's Ctrl-Z would) until training has one.
+            paused = kids["extract"]
+            os.killpg(paused, signal.SIGSTOP)
         time.sleep(0.02)
+    if paused is not None:
+        os.killpg(paused, signal.SIGCONT)
     kids = children(p.pid)
     assert set(kids) == {"extract", "train"}, kids
     assert not Store.open(str(store)).is_complete() and len(losses(run)) < MAX_STEPS  # both still at work

@@ -37,12 +37,11 @@ def data_order(bundled: int, extra: int, held_out: int) -> list[int]:
 
 def prompt_lines(bundled_file: Path, n: int, self_written: Path | None) -> tuple[list[str], list[str]]:
     """Return the JSON prompt lines: the first n bundled ones, and those of `dflash generate --self-prompts`."""
+    from .generate.self_prompts import read_written
+
     bundled = [ln for ln in bundled_file.read_text(encoding="utf-8").splitlines() if ln.strip()][:n]
-    own = []
-    if self_written is not None and self_written.is_file():
-        own = [json.dumps({"prompt": json.loads(raw)["prompt"]}, ensure_ascii=False)
-               for raw in self_written.read_text(encoding="utf-8").splitlines() if raw.strip()]
-    return bundled, own
+    written = read_written(self_written)[0] if self_written is not None else []
+    return bundled, [json.dumps({"prompt": text}, ensure_ascii=False) for text in written]
 
 
 def write_lines(path: Path, lines: list[str], *, repeat: int = 1) -> Path:

@@ -254,12 +254,15 @@ def run_(**opts: Any) -> int:
 @config_options(EvalConfig)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def eval_(as_json: bool, **opts: Any) -> None:
-    """Teacher-forced tau_hat and per-slot acceptance of a drafter on a store's held-out shards."""
+    """Teacher-forced tau_hat of a drafter on a store's held-out shards, or measured tau on a prompt file."""
     cfg = make_config(EvalConfig, opts)
-    from .train.evaluate import format_eval, run_eval
+    if cfg.prompts is not None:
+        from .train.prompt_eval import format_prompt_eval as fmt, run_prompt_eval as evaluate
+    else:
+        from .train.evaluate import format_eval as fmt, run_eval as evaluate
 
-    result = run_eval(cfg)
-    click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else format_eval(result))
+    result = evaluate(cfg)
+    click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else fmt(result))
 
 
 @cli.command()

@@ -14,6 +14,7 @@ __all__ = [
     "parse_layers",
     "parse_val_fraction",
     "parse_shard_ids",
+    "parse_json_object",
     "StageConfig",
     "ExtractConfig",
     "TrainConfig",
@@ -69,6 +70,22 @@ def parse_shard_ids(value: Any) -> tuple[int, ...] | None:
     if value is None or value == () or str(value).strip() == "":
         return None
     return _parse_ids(value, "--val-shards", "0,5,9")
+
+
+def parse_json_object(value: Any) -> dict[str, Any] | None:
+    """Return the mapping of a JSON-object option value ('{"enable_thinking": false}' -> {...}; None or "" -> None)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--chat-template-kwargs {value!r}: expected a JSON object like "
+                              f"'{{\"enable_thinking\": false}}', found invalid JSON ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--chat-template-kwargs {value!r}: expected a JSON object like "
+                          f"'{{\"enable_thinking\": false}}', found a {type(value).__name__}")
+    return json.loads(json.dumps(value, sort_keys=True)) or None
 
 
 def parse_val_fraction(value: Any) -> float | None:
@@ -168,6 +185,8 @@ class StageConfig:
                 out += [flag] if value else []
             elif value is None:
                 continue
+            elif isinstance(value, dict):
+                out += [flag, json.dumps(value, sort_keys=True)]
             elif isinstance(value, tuple) and str(f.type).startswith("tuple[str"):
                 for v in value:
                     out += [flag, str(v)]
@@ -200,9 +219,9 @@ class ExtractConfig(StageConfig):
 
     model: str = option(help="Target model: a Hugging Face folder (config.json, weights, tokenizer).")
     data: tuple[str, ...] = option(
-        help="Conversations (repeatable): .jsonl/.json rows of {messages: [{role, content}]}, ShareGPT "
-             "{conversations: [{from, value}]} or Alpaca {instruction, output}; .parquet/.arrow with such columns; "
-             "or a `datasets` save_to_disk folder.", metavar="FILE")
+        help="Conversations (repeatable): .jsonl or .json (one array) rows of {messages: [{role, content}]}, "
+             "ShareGPT {conversations: [{from, value}]} or Alpaca {instruction, output}; .parquet/.arrow with such "
+             "columns; or a `datasets` save_to_disk folder.", metavar="FILE")
     out: str = option(help="Store path (a folder or an fsspec URL); rerun the same command to resume.")
     gpus: str = option("0,1,2,3,4", help="GPU indices (0,1,2 or 0-4; one worker process each), or cpu.")
     layers: tuple[int, ...] | None = option(
@@ -216,6 +235,10 @@ class ExtractConfig(StageConfig):
     codec: str = option("blosc", choices=CODECS,
                         help="Feature encoding: blosc (lossless, ~0.69x raw bf16), none (raw), fp8 (lossy, ~0.43x).")
     chat_template: str | None = option(None, help="Jinja chat template file to use instead of the tokenizer's.")
+    chat_template_kwargs: dict[str, Any] | None = option(
+        None, parse="parse_json_object", metavar="JSON",
+        help='Extra variables of the chat template as a JSON object, e.g. \'{"enable_thinking": false}\' for Qwen3: '
+             'render what the serving engine renders. Recorded; a rerun into the same output must keep them.')
     mask_token_id: int | None = option(
         None, help="Mask token of the drafter's blocks. Default: the first embedding row the tokenizer does not use "
                    "(when vocab_size > len(tokenizer)); a target with a full vocabulary needs an unused special "
@@ -335,8 +358,9 @@ class GenerateConfig(StageConfig):
     model: str = option(help="Target model: a Hugging Face folder.")
     prompts: str | None = option(
         unless="self_prompts",
-        help="Prompts: JSONL ({prompt} or {messages} ending on the user's turn) or text lines; required unless "
-             "--self-prompts (then pass None from Python).")
+        help="Prompts or whole conversations, in any format --data reads (JSONL, a JSON array such as ShareGPT's, "
+             "Parquet, Arrow, a datasets folder; {prompt}, {messages}, {conversations}) or .txt (one prompt a line): "
+             "every assistant turn is regenerated in order, system prompts kept; required unless --self-prompts.")
     out: str = option(help="Output JSONL of conversations, or of prompts with --self-prompts (appended; rerun to "
                            "resume).")
     self_prompts: int | None = option(
@@ -358,6 +382,10 @@ class GenerateConfig(StageConfig):
                         help="Dtype the target runs in: auto is float32 on cpu, the folder's own on cuda. Recorded "
                              "beside --out.")
     seed: int = option(0, help="Seed of sampling (temperature > 0, and --self-prompts).")
+    chat_template_kwargs: dict[str, Any] | None = option(
+        None, parse="parse_json_object", metavar="JSON",
+        help='Extra variables of the chat template as a JSON object, e.g. \'{"enable_thinking": false}\' for Qwen3: '
+             'render what the serving engine renders. Recorded; a rerun into the same output must keep them.')
 
     def __post_init__(self) -> None:
         _check(self.self_prompts is not None or self.prompts is not None,
@@ -386,15 +414,34 @@ class EvalConfig(StageConfig):
 
     drafter: str = option(help="Run folder of `dflash train` (its newest checkpoint), one of its checkpoints, or an "
                                "export.")
-    store: str = option(help="Feature store made by `dflash extract`.")
+    store: str | None = option(unless="prompts", help="Feature store made by `dflash extract` (teacher-forced "
+                                                       "tau_hat); required unless --prompts.")
+    prompts: str | None = option(
+        None, help="Instead of a store: a prompt file in any format `dflash generate --prompts` reads (JSONL, JSON "
+                   "array, Parquet, .jsonl.gz, text lines...): measured tau by speculative decoding against plain "
+                   "greedy decoding, with tau_hat at the anchors decoding used.")
+    decode: int = option(128, help="With --prompts: new tokens decoded per prompt.")
+    max_prompts: int | None = option(None, help="With --prompts: decode the first N usable prompts only.")
+    out: str | None = option(None, help="With --prompts: JSONL of one row per decoded prompt (a rerun resumes).")
     target: str | None = option(None, help="Target folder for embedding/lm_head [default: the run's or the store's].")
     shards: str = option("val", choices=("val", "all"), help="The held-out shards of the run, or every committed one.")
     val_fraction: float | None = option(None, help="Held-out fraction used in training (for an export).")
     batch_tokens: int = option(16384, help="Context tokens per batch (a run's own value is used for a run).")
     anchors: int = option(512, help="Blocks drawn per sample (a run's own value is used for a run).")
     skip_corrupt: bool = option(False, help="Skip (and count) corrupt shards instead of stopping.")
+    chat_template_kwargs: dict[str, Any] | None = option(
+        None, parse="parse_json_object", metavar="JSON",
+        help='With --prompts: extra chat-template variables as a JSON object, e.g. \'{"enable_thinking": false}\'.')
 
     def __post_init__(self) -> None:
+        _check(self.store is not None or self.prompts is not None,
+               "--store is required (teacher-forced tau_hat on its held-out shards), unless --prompts FILE measures "
+               "tau by decoding")
+        _check(self.store is None or self.prompts is None,
+               f"--store {self.store} and --prompts {self.prompts}: pass one (a store is scored teacher-forced, "
+               "prompts by decoding); run eval twice for both")
+        _check(self.decode >= 1, f"--decode must be >= 1, got {self.decode}")
+        _check(self.max_prompts is None or self.max_prompts >= 1, f"--max-prompts must be >= 1, got {self.max_prompts}")
         _check(self.shards in ("val", "all"), f"--shards {self.shards!r}: use val or all")
         _check(self.val_fraction is None or 0 < self.val_fraction < 1,
                f"--val-fraction must be in (0, 1), got {self.val_fraction}")

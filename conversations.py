@@ -8,7 +8,7 @@ from typing import Any
 
 __all__ = ["ROLES", "SHAREGPT_ROLES", "message", "SIDECAR_SUFFIX", "sidecar_path", "is_sidecar", "generated_by"]
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT speakers seen in the wild, mapped to chat roles.
 SHAREGPT_ROLES = {
     "system": "system",
@@ -18,6 +18,10 @@ SHAREGPT_ROLES = {
     "assistant": "assistant",
     "chatgpt": "assistant",
     "model": "assistant",
+    # A tool's result (ShareGPT exports name it tool, function or observation).
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
 }
 
 

@@ -169,6 +169,7 @@ def decode_prompts(path: Path, drafter_dir: Path, target_dir: Path, prompts: lis
     """Return the summary of speculative vs greedy decoding of the prompts, resuming from the JSONL at path."""
     import torch
 
+    from .chatfiles import jsonl_lines
     from .drafter.decode import compare_one, drafter_proposer, load_target, summarize
     from .train.checkpoint import open_drafter
 
@@ -183,7 +184,7 @@ def decode_prompts(path: Path, drafter_dir: Path, target_dir: Path, prompts: lis
     stops = sorted({int(t) for t in [target.generation_config.eos_token_id] if t is not None}
                    if not isinstance(target.generation_config.eos_token_id, list)
                    else set(target.generation_config.eos_token_id))
-    rows = [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()] if path.is_file() else []
+    rows = [json.loads(raw) for _, _, raw in jsonl_lines(path) if raw.strip()] if path.is_file() else []
     rows = rows[: len(prompts)]
     propose = drafter_proposer(drafter, target)
     with open(path, "a", encoding="utf-8") as f:

@@ -37,9 +37,10 @@ def data_order(bundled: int, extra: int, held_out: int) -> list[int]:
 
 def prompt_lines(bundled_file: Path, n: int, self_written: Path | None) -> tuple[list[str], list[str]]:
     """Return the JSON prompt lines: the first n bundled ones, and those of `dflash generate --self-prompts`."""
+    from .generate.prompts import written_lines
     from .generate.self_prompts import read_written
 
-    bundled = [ln for ln in bundled_file.read_text(encoding="utf-8").splitlines() if ln.strip()][:n]
+    bundled = [raw.decode("utf-8") for _, raw in written_lines(bundled_file)][:n]
     written = read_written(self_written)[0] if self_written is not None else []
     return bundled, [json.dumps({"prompt": text}, ensure_ascii=False) for text in written]
 
@@ -54,8 +55,10 @@ def write_lines(path: Path, lines: list[str], *, repeat: int = 1) -> Path:
 
 def _answers_by_row(path: Path, rows: int) -> list[str]:
     """Return the JSON line of each source row 0..rows-1 of a finished `generate` output (torn lines skipped)."""
+    from .generate.prompts import written_lines
+
     by_row: dict[int, str] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for _, line in written_lines(path):
         try:
             rec = json.loads(line)
         except ValueError:

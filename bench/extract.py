@@ -160,7 +160,7 @@ def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.de
 
     from dflash.config import ExtractConfig
     from dflash.extract.capture import TargetRunner, load_target, pad_batch
-    from dflash.extract.data import read_rows
+    from dflash.chatfiles import read_rows
     from dflash.extract.plan import pack_batches, shard_ranges
     from dflash.extract.template import ChatEncoder, load_template
     from dflash.extract.worker import prepare_shard

@@ -254,10 +254,11 @@ def estimate_plan(cfg: Any, header: dict[str, Any], rows: list[Any], committed: 
     from .header import estimate_tokens_per_row
 
     ranges = shard_ranges(len(rows), header["shard_plan"]["rows_per_shard"])
-    left = [rows[a:b] for s, (a, b) in enumerate(ranges) if s not in committed]
+    left = [(a, b) for s, (a, b) in enumerate(ranges) if s not in committed]
     raw = len(header["layer_ids"]) * int(header["hidden_size"]) * 2
     plan = ExtractPlan(rows=len(rows), shards=len(ranges), raw_bytes_per_token=raw, shards_left=len(left))
-    plan.tokens_left = int(sum(estimate_tokens_per_row(part, cfg.max_length) * len(part) for part in left if part))
+    # One shard's rows at a time: the data is read, not held.
+    plan.tokens_left = int(sum(estimate_tokens_per_row(rows[a:b], cfg.max_length) * (b - a) for a, b in left if b > a))
     plan.projected_left_bytes = int(plan.tokens_left * raw * CODEC_RATIO.get(header["codec"], 1.0))
     plan.free_path, plan.free_bytes = free_space(cfg.out)
     return plan

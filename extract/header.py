@@ -4,13 +4,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..conversations import generated_by
 from ..errors import ConfigError, InputError
 from ..facts import NUM_FEATURE_LAYERS, build_target_layer_ids, validate_layer_ids
-from .data import Row, fingerprint, input_files
+from ..chatfiles import Row, fingerprint, input_files
 from .plan import default_shard_size, shard_ranges
 from .template import text_hash
 
@@ -52,13 +53,14 @@ def resolve_layers(explicit: tuple[int, ...] | None, num_layers: int) -> list[in
     return validate_layer_ids(list(explicit), num_layers)
 
 
-def estimate_tokens_per_row(rows: list[Row], max_length: int) -> float:
+def estimate_tokens_per_row(rows: Iterable[Row], max_length: int) -> float:
     """Return a deterministic estimate of tokens per row (about 3.5 characters a token plus turn markup)."""
-    good = [r for r in rows if r.messages]
-    if not good:
-        return 1.0
-    total = sum(min(max_length, sum(len(m["content"]) for m in r.messages) / 3.5 + 8 * len(r.messages)) for r in good)
-    return max(1.0, total / len(good))
+    total, good = 0.0, 0
+    for r in rows:  # streamed: the rows are read, not held
+        if r.messages:
+            total += min(max_length, sum(len(m["content"]) for m in r.messages) / 3.5 + 8 * len(r.messages))
+            good += 1
+    return max(1.0, total / good) if good else 1.0
 
 
 def tokenizer_hash(tokenizer: Any) -> str:
@@ -159,14 +161,18 @@ def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, templa
     layer_ids = resolve_layers(cfg.layers, num_layers)
     hidden = int(model_config.hidden_size)
     mask = resolve_mask_token(int(model_config.vocab_size), len(tokenizer), cfg.mask_token_id, cfg.model)
-    shard_size = cfg.shard_size or default_shard_size(
-        estimate_tokens_per_row(rows, cfg.max_length), len(layer_ids) * hidden * 2
-    )
-    files = input_files(cfg.data)
     bad: dict[str, int] = {}
-    for r in rows:
-        if r.error:
-            bad[r.error] = bad.get(r.error, 0) + 1
+
+    def counted(rows: Iterable[Row]) -> Iterator[Row]:
+        for r in rows:
+            if r.error:
+                bad[r.error] = bad.get(r.error, 0) + 1
+            yield r
+
+    # One pass over the data: the size estimate and the bad-row counts.
+    per_row = estimate_tokens_per_row(counted(rows), cfg.max_length)
+    shard_size = cfg.shard_size or default_shard_size(per_row, len(layer_ids) * hidden * 2)
+    files = input_files(cfg.data)
     config_file = Path(cfg.model) / "config.json"
     archs = getattr(model_config, "architectures", None) or [type(model_config).__name__]
     return {
@@ -191,6 +197,8 @@ def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, templa
         "codec": cfg.codec,
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "chat_template_hash": text_hash(template),
+        # Only when given, so stores made before the option existed keep their header.
+        **({"chat_template_kwargs": cfg.chat_template_kwargs} if cfg.chat_template_kwargs else {}),
         "mask_token_id": mask,
         "max_length": cfg.max_length,
         "min_loss_tokens": cfg.min_loss_tokens,

@@ -11,7 +11,7 @@ import click
 from ..config import resolve_devices
 from ..runtime import launch, ranks_from_env
 from ..errors import InputError, StoreError
-from .data import read_rows
+from ..chatfiles import BadRowLog, read_rows, report_bad_rows
 
 if TYPE_CHECKING:
     from ..config import ExtractConfig
@@ -21,33 +21,30 @@ __all__ = ["run"]
 log = logging.getLogger(__name__)
 
 
-def _report_bad_rows(rows: list[Any], strict: bool, shown: int = 5) -> None:
-    bad = [r for r in rows if r.error]
-    if bad and strict:
-        r = bad[0]
-        raise InputError(f"{r.where}: bad row ({r.error}: {r.detail}); fix or remove it, or rerun without --strict")
-    by_reason: dict[str, list[Any]] = {}
-    for r in bad:
-        by_reason.setdefault(r.error, []).append(r)
-    for reason, rs in sorted(by_reason.items()):
-        first = "; ".join(f"row {r.index} ({r.where}: {r.detail})" for r in rs[:shown])
-        log.warning("%d bad rows (%s), skipped: %s%s", len(rs), reason, first, "; ..." if len(rs) > shown else "")
+def _bad_rows(rows: Any, strict: bool) -> BadRowLog:
+    """Return the rows that cannot be used, by reason (one pass over the data); --strict stops at the first."""
+    bad = BadRowLog()
+    for r in rows:
+        if r.error:
+            if strict:
+                raise InputError(f"{r.where}: bad row ({r.error}: {r.detail}); fix or remove it, or rerun without "
+                                 "--strict")
+            bad.add(r.error, r.index, r.where, r.detail)
+    return bad
 
 
 def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{reason}: {n:,}" for reason, n in sorted(counts.items()))
 
 
-def _require_usable(rows: list[Any], data: tuple[str, ...]) -> None:
+def _require_usable(bad: BadRowLog, total: int, data: tuple[str, ...]) -> None:
     """Raise InputError naming the drop counts by reason if no row of the data can become a sample."""
-    if any(r.error is None for r in rows):
+    if bad.total() < total:
         return
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r.error] = counts.get(r.error, 0) + 1
     raise InputError(
-        f"--data {' '.join(data)}: none of its {len(rows):,} rows is usable ({_counts(counts)}); expected rows with "
-        "messages, conversations or instruction+output; fix the data (the warnings above show the first bad rows)"
+        f"--data {' '.join(data)}: none of its {total:,} rows is usable ({bad.summary()}); expected rows with "
+        "messages, conversations, instruction+output or prompt plus an assistant turn; fix the data (the warnings "
+        "above show the first bad rows)"
     )
 
 
@@ -93,7 +90,7 @@ def _plan(cfg: "ExtractConfig", header: dict[str, Any], rows: list[Any], tokeniz
         plan = estimate_plan(cfg, header, rows, committed)
         check_fits(plan, cfg.out)
         return plan
-    encoder = ChatEncoder(tokenizer, template, cfg.max_length)
+    encoder = ChatEncoder(tokenizer, template, cfg.max_length, cfg.chat_template_kwargs)
     plan = make_plan(cfg, header, rows, encoder, committed=committed, whole=True, devices=devices)
     click.echo(format_plan(plan, cfg.out, cfg.codec))
     return plan
@@ -123,8 +120,9 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
     t0 = time.perf_counter()
     rows = read_rows(cfg.data)
     log.info("read %d rows of %s in %.1f s", len(rows), ", ".join(cfg.data), time.perf_counter() - t0)
-    _report_bad_rows(rows, cfg.strict)
-    _require_usable(rows, cfg.data)
+    bad = _bad_rows(rows, cfg.strict)
+    report_bad_rows(bad)
+    _require_usable(bad, len(rows), cfg.data)
     ranks = ranks_from_env()
     rank, local_rank = ranks.rank, (ranks.local_rank if ranks.world > 1 else None)
     # Everything that can refuse the run (devices, data, a folder without weights) is checked before the store

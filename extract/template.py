@@ -59,10 +59,13 @@ def load_template(tokenizer: Any, template_file: str | None) -> str:
 class ChatEncoder:
     """Renders messages with a chat template and marks the assistant tokens (content and end-of-turn marker)."""
 
-    def __init__(self, tokenizer: Any, template: str, max_length: int) -> None:
+    def __init__(self, tokenizer: Any, template: str, max_length: int,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.max_length = max_length
+        # --chat-template-kwargs: the variables the serving engine renders with (Qwen3's enable_thinking, ...).
+        self.template_kwargs = dict(template_kwargs or {})
         eos = getattr(tokenizer, "eos_token", None)
         self._eos = eos if isinstance(eos, str) and eos else None
 
@@ -70,7 +73,8 @@ class ChatEncoder:
         """Return the template's text for the messages (optionally ending with the assistant header)."""
         try:
             return self.tokenizer.apply_chat_template(
-                messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
+                messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt,
+                **self.template_kwargs,
             )
         except Exception as e:  # Jinja raises its own errors (raise_exception for role order, ...)
             raise TemplateError(f"{type(e).__name__}: {e}".replace("\n", " ")[:200]) from None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import InputError, StoreError
-from .data import BadRowLog, Row
+from ..chatfiles import BadRowLog, Row
 from .plan import shard_ranges
 
 if TYPE_CHECKING:
@@ -107,7 +107,8 @@ def open_encoder(cfg: "ExtractConfig") -> tuple[Any, int]:
     from .template import ChatEncoder, load_template
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    encoder = ChatEncoder(tokenizer, load_template(tokenizer, cfg.chat_template), cfg.max_length)
+    encoder = ChatEncoder(tokenizer, load_template(tokenizer, cfg.chat_template), cfg.max_length,
+                          cfg.chat_template_kwargs)
     return encoder, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
@@ -136,7 +137,7 @@ def open_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str,
 def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, report: Report) -> dict[str, Any]:
     """Return this worker's totals after it has filled every shard it could claim; report() gets progress events."""
     from ..storage import Store
-    from .data import read_rows
+    from ..chatfiles import read_rows
 
     t_start = time.perf_counter()
     rows = rows if rows is not None else read_rows(cfg.data)

@@ -1,9 +1,12 @@
 """`dflash generate`: answer prompts with the target through its chat template, appending resumable JSONL records.
 
 DFlash drafters learn the target's own continuations, so the recipe regenerates the answers of a prompt set with
-the target before extraction. Each output line is `{"messages": [... , {"role": "assistant", ...}], "source_row":
-i, ...}`, ready for `dflash extract --data`. Records are appended and fsynced batch by batch; a rerun reads what is
-there, drops a torn last line left by a kill, and answers only the rows that have no record yet.
+the target before extraction: every assistant turn of a conversation, in order, each given the regenerated history
+(prompts.py says why). Each output line is `{"messages": [..., {"role": "assistant", ...}], "source_row": i, ...}`,
+ready for `dflash extract --data`. Conversations are answered in chunks, turn by turn across the chunk, and a
+record is appended (and fsynced, in groups) when its last turn is answered; a rerun reads what is there, drops a
+torn last line left by a kill, and answers only the rows that have no record yet (a kill loses at most the
+conversations of the chunk still in progress).
 """
 from __future__ import annotations
 
@@ -15,11 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..atomic import append_lines, repair_torn_tail
-from ..conversations import message
+from ..chatfiles import prompt_turns
 from ..errors import ConfigError, InputError
 from ..runtime import Progress as Display
 from .model import NUMERICS, Loaded, check_identity, load, resolve
-from .prompts import Prompt, read_prompts
+from .prompts import Conversation, Prompt, read_prompts, written_lines
 
 if TYPE_CHECKING:
     from ..config import GenerateConfig
@@ -29,7 +32,7 @@ __all__ = ["GenerateResult", "read_done", "run"]
 log = logging.getLogger(__name__)
 
 # The options that decide what an answer is (numerics included); a rerun into the same --out must keep them.
-_IDENTITY_FIELDS = ("model", "max_new_tokens", "temperature", "seed") + NUMERICS
+_IDENTITY_FIELDS = ("model", "max_new_tokens", "temperature", "seed", "chat_template_kwargs") + NUMERICS
 _LOG_EVERY_S = 30.0
 
 
@@ -60,21 +63,20 @@ def read_done(out: Path, prompts: list[Prompt]) -> set[int]:
     torn = repair_torn_tail(out)
     if torn:
         log.warning("%s: dropped a torn last line of %d bytes (an interrupted write)", out, torn)
-    data = out.read_bytes()
+    by_row = {p.row: p for p in prompts}
     done: set[int] = set()
-    for lineno, raw in enumerate(data.splitlines(), 1):
-        if not raw.strip():
-            continue
+    for lineno, raw in written_lines(out):
         try:
             rec = json.loads(raw)
             row = rec["source_row"]
             messages = rec["messages"]
+            kept = prompt_turns(messages)
         except (json.JSONDecodeError, KeyError, TypeError):
             raise InputError(
                 f"--out {out} line {lineno}: expected a record written by `dflash generate`, found {raw[:60]!r}; "
                 "move the file away or pass a new --out"
             ) from None
-        if not isinstance(row, int) or not 0 <= row < len(prompts) or messages[:-1] != prompts[row].messages:
+        if not isinstance(row, int) or row not in by_row or kept != by_row[row].messages:
             raise InputError(
                 f"--out {out} line {lineno}: source_row {row!r} does not answer that row of the prompts file "
                 "(the prompts changed since it was written); pass a new --out or the original --prompts"
@@ -118,16 +120,20 @@ def run(cfg: "GenerateConfig") -> GenerateResult:
     if not pending:
         return GenerateResult(len(prompts), 0, len(done), 0, 0.0)
     if cfg.backend == "vllm":
-        answer = _vllm_backend(cfg)
-    elif cfg.engine == "fast":
-        answer = _fast_backend(cfg, load(cfg))
+        render, answer = _vllm_backend(cfg)
     else:
-        answer = _transformers_backend(cfg, load(cfg))
+        target = load(cfg)
+        render = _renderer(target.tokenizer, cfg.chat_template_kwargs)
+        answer = (_fast_backend if cfg.engine == "fast" else _transformers_backend)(cfg, target)
+    turns = sum(p.turns for p in pending)
+    if turns > len(pending):
+        log.info("generate: %d conversations hold %d user turns; every assistant turn is regenerated in order",
+                 len(pending), turns)
     progress = _Progress(len(pending))
     start = time.perf_counter()
     new_tokens = 0
     try:
-        for records in answer(pending):
+        for records in _regenerate(pending, render, answer, chunk=max(256, 16 * cfg.batch_size)):
             _append(out, records)
             n = sum(r["completion_tokens"] for r in records)
             new_tokens += n
@@ -143,53 +149,89 @@ def run(cfg: "GenerateConfig") -> GenerateResult:
     return result
 
 
-def _record(prompt: Prompt, text: str, n_tokens: int, finished: bool) -> dict[str, Any]:
-    return {
-        "messages": prompt.messages + [message("assistant", text)],
-        "source_row": prompt.row,
-        "completion_tokens": n_tokens,
-        "finish_reason": "stop" if finished else "length",
+def _record(conv: Conversation) -> dict[str, Any]:
+    rec = {
+        "messages": conv.messages(),
+        "source_row": conv.prompt.row,
+        "completion_tokens": conv.tokens,
+        "finish_reason": "stop" if conv.finished else "length",
     }
+    if conv.answered > 1:
+        rec["turns"] = conv.answered
+    return rec
 
 
-def _chat_ids(tokenizer: Any, pending: list[Prompt]) -> tuple[list[str], list[list[int]]]:
-    """Return each prompt's chat-template text and its token ids (the template holds any BOS token itself)."""
-    texts = [tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True) for p in pending]
-    return texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+# A backend answers a list of (key, token ids) requests, yielding lists of (key, text, tokens, finished).
+Answer = tuple[int, str, int, bool]
+
+
+def _regenerate(pending: list[Prompt], render: Any, answer: Any, *, chunk: int):
+    """Yield lists of finished records: each chunk of conversations is answered turn by turn (one backend call a
+    round, each request the conversation's regenerated history), a record as soon as its last turn is answered."""
+    for c in range(0, len(pending), chunk):
+        active = [Conversation(p) for p in pending[c : c + chunk]]
+        while active:
+            by_key = {_key(conv.prompt.row, conv.answered): conv for conv in active}
+            requests = [(k, render(conv.next_context())) for k, conv in by_key.items()]
+            for answers in answer(requests):
+                records = []
+                for key, text, n, finished in answers:
+                    conv = by_key[key]
+                    conv.add(text, n, finished)
+                    if conv.done:
+                        records.append(_record(conv))
+                if records:
+                    yield sorted(records, key=lambda r: r["source_row"])
+            active = [conv for conv in active if not conv.done]
+
+
+def _key(row: int, turn: int) -> int:
+    """Return the request key of a conversation's turn: it seeds sampling, so it depends on (row, turn) alone (a
+    first turn keeps its row, as single-turn files always had), never on which chunk or batch it fell in."""
+    return row + (turn << 40)
+
+
+def _renderer(tokenizer: Any, kwargs: dict[str, Any] | None):
+    """Return the function that turns a conversation into the token ids the target continues (chat template with
+    the generation prompt and --chat-template-kwargs; the template holds any BOS token itself)."""
+    extra = dict(kwargs or {})
+
+    def render(messages: list[dict[str, str]]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    return render
 
 
 def _fast_backend(cfg: "GenerateConfig", target: Loaded):
-    """Return a function that yields lists of records as the fast decoder finishes them (engine.py)."""
+    """Return a function that answers requests with the fast decoder (engine.py), yielding answers as they finish."""
     from .engine import FastDecoder, Request
 
     decoder = FastDecoder(target.model, slots=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
                           stop_ids=target.stop_ids, temperature=cfg.temperature, seed=cfg.seed)
     flush_every = max(1, cfg.batch_size // 4)
 
-    def answer(pending: list[Prompt]):
-        _, ids = _chat_ids(target.tokenizer, pending)
-        by_row = {p.row: p for p in pending}
+    def answer(requests: list[tuple[int, list[int]]]):
         # Shortest first: each refill's prompts have similar lengths, so its prefill pads little.
-        order = sorted(range(len(pending)), key=lambda i: (len(ids[i]), pending[i].row))
-        requests = (Request(pending[i].row, ids[i]) for i in order)
-        records: list[dict[str, Any]] = []
+        order = sorted(requests, key=lambda r: (len(r[1]), r[0]))
+        answers: list[Answer] = []
         last = time.perf_counter()
-        for done in decoder.run(requests, max_prompt=max(map(len, ids))):
+        for done in decoder.run((Request(k, ids) for k, ids in order), max_prompt=max(len(r[1]) for r in order)):
             for c in done:
                 text = target.tokenizer.decode(c.tokens, skip_special_tokens=True)
-                records.append(_record(by_row[c.key], text, len(c.tokens), c.finished))
+                answers.append((c.key, text, len(c.tokens), c.finished))
             # Records reach disk in groups: one fsync per group, not per answer.
-            if len(records) >= flush_every or time.perf_counter() - last > 5.0:
-                yield records
-                records, last = [], time.perf_counter()
-        if records:
-            yield records
+            if len(answers) >= flush_every or time.perf_counter() - last > 5.0:
+                yield answers
+                answers, last = [], time.perf_counter()
+        if answers:
+            yield answers
 
     return answer
 
 
 def _transformers_backend(cfg: "GenerateConfig", target: Loaded):
-    """Return a function that yields one list of records per batch of prompts, using transformers' generate."""
+    """Return a function that answers requests a batch at a time with transformers' generate."""
     import torch
 
     tokenizer, model, pad_id = target.tokenizer, target.model, target.pad_id
@@ -207,35 +249,33 @@ def _transformers_backend(cfg: "GenerateConfig", target: Loaded):
     else:
         kwargs.update(temperature=None, top_k=None, top_p=None)
 
-    def answer(pending: list[Prompt]):
-        texts, ids = _chat_ids(tokenizer, pending)
-        lengths = [len(x) for x in ids]
+    def answer(requests: list[tuple[int, list[int]]]):
         # Similar lengths share a batch, so little compute goes to padding.
-        order = sorted(range(len(pending)), key=lambda i: (lengths[i], pending[i].row))
+        order = sorted(requests, key=lambda r: (len(r[1]), r[0]))
         for b in range(0, len(order), cfg.batch_size):
-            idx = order[b : b + cfg.batch_size]
-            enc = tokenizer([texts[i] for i in idx], add_special_tokens=False, padding=True, return_tensors="pt")
+            part = order[b : b + cfg.batch_size]
+            # Left padding (load() sets it): generation continues every row at the same column.
+            enc = tokenizer.pad({"input_ids": [ids for _, ids in part]}, return_tensors="pt")
             enc = {k: v.to(cfg.device) for k, v in enc.items()}
             if sample:
-                # Seeded per batch by its first row, so a rerun of the same batch draws the same tokens.
-                torch.manual_seed(cfg.seed * 1_000_003 + pending[idx[0]].row)
+                # Seeded per batch by its first request, so a rerun of the same batch draws the same tokens.
+                torch.manual_seed(cfg.seed * 1_000_003 + part[0][0])
             with torch.inference_mode():
                 seqs = model.generate(**enc, **kwargs)
             new = seqs[:, enc["input_ids"].shape[1] :].tolist()
-            records = []
-            for i, ids in zip(idx, new):
+            answers: list[Answer] = []
+            for (key, _), ids in zip(part, new):
                 stop = next((k for k, t in enumerate(ids) if t in eos_ids), None)
                 kept = ids if stop is None else ids[:stop]
-                text = tokenizer.decode(kept, skip_special_tokens=True)
-                records.append(_record(pending[i], text, len(kept), stop is not None))
-            records.sort(key=lambda r: r["source_row"])
-            yield records
+                answers.append((key, tokenizer.decode(kept, skip_special_tokens=True), len(kept), stop is not None))
+            yield answers
 
     return answer
 
 
 def _vllm_backend(cfg: "GenerateConfig"):
-    """Return a function that yields records in batches, using vLLM; ConfigError when vLLM is not installed."""
+    """Return (the renderer, a function that answers requests in chunks with vLLM); ConfigError when vLLM is not
+    installed."""
     try:
         import vllm
     except ImportError:
@@ -246,21 +286,15 @@ def _vllm_backend(cfg: "GenerateConfig"):
     if cfg.device != "cuda":
         raise ConfigError("--backend vllm runs on GPUs only; pass --device cuda or use --backend transformers")
     llm = vllm.LLM(model=cfg.model, seed=cfg.seed, dtype="auto")
-    tokenizer = llm.get_tokenizer()
     params = vllm.SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
 
-    def answer(pending: list[Prompt]):
+    def answer(requests: list[tuple[int, list[int]]]):
         # vLLM schedules its own batches; we hand it chunks only so records reach disk (and resume) as it goes.
         chunk = max(cfg.batch_size, 256)
-        for b in range(0, len(pending), chunk):
-            part = pending[b : b + chunk]
-            texts = [tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True) for p in part]
-            ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-            outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
-            records = []
-            for p, o in zip(part, outs):
-                c = o.outputs[0]
-                records.append(_record(p, c.text, len(c.token_ids), c.finish_reason == "stop"))
-            yield records
+        for b in range(0, len(requests), chunk):
+            part = requests[b : b + chunk]
+            outs = llm.generate([{"prompt_token_ids": ids} for _, ids in part], params, use_tqdm=False)
+            yield [(key, o.outputs[0].text, len(o.outputs[0].token_ids), o.outputs[0].finish_reason == "stop")
+                   for (key, _), o in zip(part, outs)]
 
-    return answer
+    return _renderer(llm.get_tokenizer(), cfg.chat_template_kwargs), answer

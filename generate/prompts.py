@@ -1,92 +1,102 @@
-"""Prompt files for `dflash generate`: JSONL ({"prompt"} / {"messages"} ending on the user) or plain text lines."""
+"""What `dflash generate` answers: the conversations of a prompts file (read by chatfiles, as every stage reads
+them) without their assistant turns, and the points where the target answers.
+
+The recipe regenerates every assistant turn in order, each given the regenerated history (as SpecForge's
+`scripts/regenerate_train_data.py` does): the drafter then learns only text the target wrote, in the context the
+target itself made. System prompts are kept; turns with no text are skipped and counted; the target answers after
+every user turn (and after every tool turn: what the assistant says next is also its own).
+"""
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from ..conversations import ROLES, message
+from ..chatfiles import BadRowLog, jsonl_lines, prompt_turns, read_rows, report_bad_rows
+from ..conversations import message
 from ..errors import InputError
 
-__all__ = ["Prompt", "read_prompts"]
+__all__ = ["Prompt", "Conversation", "read_prompts", "written_lines", "ANSWERED_AFTER"]
 
-_JSON_SUFFIXES = (".jsonl", ".json")
+log = logging.getLogger(__name__)
+
+ANSWERED_AFTER = ("user", "tool")
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: its row among the file's non-blank lines, its 1-based line number, and the conversation."""
+    """One conversation to answer: its source row, where it is in the file, and its turns without the assistant's."""
 
     row: int
-    line: int
+    where: str
     messages: list[dict[str, str]]
 
-
-def _bad(path: Path, line: int, expected: str, found: str) -> InputError:
-    return InputError(
-        f"--prompts {path} line {line}: expected {expected}, found {found}; fix or remove that line and rerun"
-    )
-
-
-def _conversation(path: Path, line: int, rec: Any) -> list[dict[str, str]]:
-    """Return the messages of one JSON prompt record, or raise InputError naming the line."""
-    if isinstance(rec, str):
-        rec = {"prompt": rec}
-    if not isinstance(rec, dict):
-        raise _bad(path, line, 'an object {"prompt": ...} or {"messages": [...]}', f"a JSON {type(rec).__name__}")
-    if "messages" in rec:
-        turns = rec["messages"]
-        if not isinstance(turns, list) or not turns:
-            raise _bad(path, line, "messages to be a non-empty list", repr(turns)[:60])
-        out = []
-        for k, turn in enumerate(turns):
-            if not isinstance(turn, dict) or turn.get("role") not in ROLES:
-                role = turn.get("role") if isinstance(turn, dict) else type(turn).__name__
-                raise _bad(path, line, f"turn {k} to have a role among {', '.join(ROLES)}", repr(role))
-            content = turn.get("content")
-            if not isinstance(content, str) or not content.strip():
-                raise _bad(path, line, f"turn {k} to have non-empty string content", repr(content)[:60])
-            out.append(message(turn["role"], content))
-        if out[-1]["role"] != "user":
-            raise _bad(path, line, "the last turn to be the user's (the target answers it)", f"a {out[-1]['role']} turn")
-        return out
-    if "prompt" in rec:
-        text = rec["prompt"]
-        if not isinstance(text, str) or not text.strip():
-            raise _bad(path, line, "prompt to be a non-empty string", repr(text)[:60])
-        return [message("user", text)]
-    keys = ", ".join(sorted(map(str, rec))[:6])
-    raise _bad(path, line, 'a "prompt" or "messages" key', f"keys [{keys}]")
+    @property
+    def turns(self) -> int:
+        """Return how many assistant turns the target writes for it."""
+        return sum(m["role"] in ANSWERED_AFTER for m in self.messages)
 
 
-def read_prompts(path: str | os.PathLike) -> list[Prompt]:
-    """Return the prompts of a file: JSONL ({"prompt"} / {"messages"} / a JSON string) or plain text, one per line.
-
-    Blank lines are not rows (as in `dflash extract`), so row i is the i-th non-blank line.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"--prompts {path}: no such file; pass a .jsonl or .txt file of prompts") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"--prompts {path}: expected a readable UTF-8 text file, found {e}") from None
-    as_json = path.suffix.lower() in _JSON_SUFFIXES
+def read_prompts(path: str | Path, flag: str = "--prompts") -> list[Prompt]:
+    """Return the usable conversations of a prompts file; the unusable rows are counted by reason and the first
+    few named in the log; InputError if none is usable."""
+    rows = read_rows((str(path),), flag=flag, need="user")
     prompts: list[Prompt] = []
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
+    bad, notes = BadRowLog(), BadRowLog()
+    for r in rows:
+        if r.error:
+            bad.add(r.error, r.index, r.where, r.detail)
             continue
-        if as_json:
-            try:
-                rec = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise _bad(path, lineno, "one JSON object", f"invalid JSON ({e.msg} at column {e.colno})") from None
-            messages = _conversation(path, lineno, rec)
-        else:
-            messages = [message("user", raw.strip())]
-        prompts.append(Prompt(row=len(prompts), line=lineno, messages=messages))
+        for note in r.notes:
+            notes.add(note, r.index, r.where, "kept")
+        prompts.append(Prompt(r.index, r.where, prompt_turns(r.messages)))
+    report_bad_rows(bad, "prompt rows")
+    for reason, n in sorted(notes.counts.items()):
+        log.info("%s: %d prompt rows read with %s", path, n, reason)
     if not prompts:
-        raise InputError(f"--prompts {path}: expected at least one prompt, found an empty file")
+        raise InputError(f"{flag} {path}: expected at least one row with a user turn, found none usable of "
+                         f"{len(rows):,} ({bad.summary()}); fix the file (the warnings above name the first rows)")
     return prompts
+
+
+@dataclass
+class Conversation:
+    """A conversation being regenerated: the history so far (prompt turns and the target's answers)."""
+
+    prompt: Prompt
+    history: list[dict[str, str]] = field(default_factory=list)
+    cursor: int = 0  # prompt turns moved into the history
+    answered: int = 0
+    tokens: int = 0
+    finished: bool = True  # the last answer ended on a stop token
+
+    @property
+    def done(self) -> bool:
+        return self.answered == self.prompt.turns
+
+    def next_context(self) -> list[dict[str, str]]:
+        """Return the history up to and including the next turn the target answers."""
+        turns = self.prompt.messages
+        k = next(i for i in range(self.cursor, len(turns)) if turns[i]["role"] in ANSWERED_AFTER)
+        self.history += turns[self.cursor : k + 1]
+        self.cursor = k + 1
+        return self.history
+
+    def add(self, text: str, tokens: int, finished: bool) -> None:
+        """Take the target's answer to the turn next_context() ended on."""
+        self.history.append(message("assistant", text))
+        self.answered += 1
+        self.tokens += tokens
+        self.finished = finished
+
+    def messages(self) -> list[dict[str, str]]:
+        """Return the regenerated conversation (a trailing non-answered turn, e.g. a system note, is kept)."""
+        return self.history + self.prompt.messages[self.cursor :]
+
+
+def written_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """Yield (line number, bytes) of the non-blank lines of a JSONL file generate wrote (split on "\\n" alone)."""
+    for lineno, _, raw in jsonl_lines(path):
+        if raw.strip():
+            yield lineno, raw

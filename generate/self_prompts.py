@@ -24,7 +24,7 @@ from ..atomic import append_lines, repair_torn_tail
 from ..errors import ConfigError, InputError
 from ..runtime import Progress
 from .model import NUMERICS, check_identity, load, resolve
-from .prompts import read_prompts
+from .prompts import read_prompts, written_lines
 
 if TYPE_CHECKING:
     from ..config import GenerateConfig
@@ -73,9 +73,7 @@ def read_written(out: Path) -> tuple[list[str], int]:
     if torn:
         log.warning("%s: dropped a torn last line of %d bytes (an interrupted write)", out, torn)
     prompts, next_draw = [], 0
-    for lineno, raw in enumerate(out.read_bytes().splitlines(), 1):
-        if not raw.strip():
-            continue
+    for lineno, raw in written_lines(out):
         try:
             rec = json.loads(raw)
             text, draw = rec["prompt"], rec["draw"]

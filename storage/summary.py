@@ -73,6 +73,9 @@ def format_inspect(info: dict[str, Any]) -> str:
         + (f"  {info['bytes_per_token']:,.1f} B/token" if info["bytes_per_token"] else ""),
         f"compression  {info['compression_ratio']:.3f}x vs raw bf16" if info["compression_ratio"] else "compression  -",
         "writers      " + (", ".join(f"{w} ({n})" for w, n in info["writers"].items()) or "-"),
+        # What the conversations were rendered with: a drafter must be served with the same template variables.
+        f"template     {h.get('chat_template_hash')}  kwargs "
+        + (json.dumps(h["chat_template_kwargs"], sort_keys=True) if h.get("chat_template_kwargs") else "none"),
     ]
     if info["unreadable_records"]:
         lines.append(f"UNREADABLE   commit records of shards {info['unreadable_records']}: run `dflash verify`")

@@ -173,6 +173,7 @@ def test_greedy_generation_answers_simple_questions(converted, tmp_path):
                 {"role": "user", "content": "And of Germany?"},
             ]
         },
+        {"prompt": "What is the capital of Italy?"},
     ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "answers.jsonl"
@@ -181,5 +182,8 @@ def test_greedy_generation_answers_simple_questions(converted, tmp_path):
     # What SmolLM2-135M-Instruct answers greedily (checked by hand when this test was written).
     assert answers[0]["messages"][-1]["content"] == "The capital of France is Paris."
     assert answers[1]["messages"][-1]["content"] == "2 + 3 = 5"
-    assert answers[2]["messages"][-1]["content"] == "The capital of Germany is Berlin."
+    # Every assistant turn is regenerated in order: the data's "Rome." answer gives way to the target's own, the
+    # same text it writes for that question alone, and the last turn continues the regenerated history.
+    assert answers[2]["messages"][1]["content"] == answers[3]["messages"][-1]["content"] != rows[2]["messages"][1]["content"]
+    assert answers[2]["turns"] == 2 and answers[2]["messages"][-1]["content"].strip()
     assert all(r["finish_reason"] == "stop" for r in answers.values())

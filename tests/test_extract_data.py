@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dflash.errors import InputError
-from dflash.extract.data import fingerprint, input_files, read_rows
+from dflash.chatfiles import fingerprint, input_files, read_rows
 
 MESSAGES = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 SHAREGPT = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
@@ -37,7 +37,9 @@ def test_shapes_normalise_to_messages(tmp_path):
         ({"text": "plain"}, "unknown_shape"),
         ({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}, "unknown_role"),
         ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown_role"),
+        # A turn with no text is skipped (and counted as a note): here that leaves nothing to train on.
         ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "  "}]}, "empty_content"),
+        ({"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": ""}]}, "empty_content"),
         ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": 7}]}, "non_string_content"),
         ({"messages": [{"role": "user", "content": "only a question"}]}, "no_assistant_turn"),
         ([1, 2], "unknown_shape"),
@@ -83,9 +85,12 @@ def test_missing_and_unsupported_inputs_are_input_errors(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(InputError, match="found a .csv file"):
         input_files([str(tmp_path / "x.csv")])
-    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "bad.json").write_text("[{not json")
     with pytest.raises(InputError, match="bad.json: not valid JSON"):
-        read_rows([str(tmp_path / "bad.json")])
+        list(read_rows([str(tmp_path / "bad.json")]))
+    # A .json file that does not start an array is JSON Lines: its bad line is a bad row, counted like any other.
+    (tmp_path / "lines.json").write_text("{not json\n")
+    assert [r.error for r in read_rows([str(tmp_path / "lines.json")])] == ["malformed_json"]
 
 
 def test_fingerprint_follows_content(tmp_path):

@@ -43,7 +43,8 @@ def _prompt_answer(path: Path) -> Path:
 @pytest.mark.parametrize("make, name, reason", [
     (_jsonl_list, "rows.jsonl", "unknown_shape"),
     (_binary, "blob.jsonl", "malformed_json"),
-    (_prompt_answer, "pa.parquet", "unknown_shape"),
+    # {"prompt"} is a prompt (generate answers it); with an unknown answer column there is nothing to train on.
+    (_prompt_answer, "pa.parquet", "no_assistant_turn"),
 ])
 def test_data_without_a_usable_row_is_refused_naming_the_reasons(make, name, reason, tiny_qwen3, tmp_path):
     data = make(tmp_path / name)

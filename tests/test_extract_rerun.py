@@ -115,7 +115,7 @@ def test_refused_runs_leave_no_store_and_a_skeleton_is_replaced(tiny_qwen3, data
     # A skeleton (header, no shard: a run killed while loading the model) gives way to a run with other options.
     from transformers import AutoConfig, AutoTokenizer
 
-    from dflash.extract.data import read_rows
+    from dflash.chatfiles import read_rows
 
     first = extract_config(tiny_qwen3, data_file, out, layers=(1, 2))
     tok = AutoTokenizer.from_pretrained(tiny_qwen3)

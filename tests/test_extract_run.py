@@ -102,7 +102,7 @@ def data_file(tmp_path_factory) -> Path:
 def test_stored_features_equal_the_full_model_on_each_sample(target, dtype, gpus, data_file, tmp_path, request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.extract.data import read_rows
+    from dflash.chatfiles import read_rows
     from dflash.extract.template import ChatEncoder
 
     model_dir = request.getfixturevalue(target)

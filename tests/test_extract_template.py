@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash.extract.data import normalise
+from dflash.chatfiles import normalise
 from dflash.extract.template import ChatEncoder, TemplateError, load_template
 from dflash.testing import build_tokenizer
 
@@ -43,7 +43,7 @@ def _segments(style: str, messages: list[dict[str, str]]) -> list[tuple[str, boo
 @pytest.mark.parametrize("shape", sorted(CONVERSATIONS))
 def test_loss_mask_is_exactly_the_assistant_turns(style, shape):
     tok = build_tokenizer(style)
-    messages = normalise(CONVERSATIONS[shape])
+    messages = normalise(CONVERSATIONS[shape])[0]
     enc = ChatEncoder(tok, tok.chat_template, max_length=10_000).encode(messages)
     want_ids: list[int] = []
     want_mask: list[bool] = []
@@ -58,7 +58,7 @@ def test_loss_mask_is_exactly_the_assistant_turns(style, shape):
 
 def test_truncation_keeps_the_prefix():
     tok = build_tokenizer("chatml")
-    messages = normalise(CONVERSATIONS["messages"])
+    messages = normalise(CONVERSATIONS["messages"])[0]
     full = ChatEncoder(tok, tok.chat_template, max_length=10_000).encode(messages)
     cut = ChatEncoder(tok, tok.chat_template, max_length=40).encode(messages)
     assert len(cut.input_ids) == 40
@@ -73,7 +73,7 @@ def test_template_that_rewrites_content_falls_back_to_locating_it():
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"
     )
-    messages = normalise(CONVERSATIONS["sharegpt"])
+    messages = normalise(CONVERSATIONS["sharegpt"])[0]
     enc = ChatEncoder(tok, template, max_length=10_000).encode(messages)
     assert tok.decode(enc.input_ids[enc.loss_mask].tolist()) == "teal<|im_end|>"
 
@@ -82,7 +82,7 @@ def test_template_errors_and_missing_template():
     tok = build_tokenizer("chatml")
     bad = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(TemplateError, match="roles must alternate"):
-        ChatEncoder(tok, bad, 100).encode(normalise(CONVERSATIONS["alpaca"]))
+        ChatEncoder(tok, bad, 100).encode(normalise(CONVERSATIONS["alpaca"])[0])
     tok.chat_template = None
     from dflash.errors import InputError
 

@@ -11,7 +11,7 @@ import pytest
 
 from dflash.config import GenerateConfig
 from dflash.errors import ConfigError, InputError
-from dflash.extract.data import normalise
+from dflash.chatfiles import normalise
 from dflash.generate.answer import read_prompts, run
 
 PROMPTS = [
@@ -68,16 +68,20 @@ def test_records_are_conversations_ready_for_extract(reference, prompts_file):
     assert sorted(r["source_row"] for r in recs) == list(range(len(PROMPTS)))
     for r in recs:
         p = prompts[r["source_row"]]
-        assert r["messages"][:-1] == p.messages
+        assert [m for m in r["messages"] if m["role"] != "assistant"] == p.messages
         assert r["messages"][-1]["role"] == "assistant"
-        assert 0 <= r["completion_tokens"] <= 12
-        assert r["finish_reason"] == ("length" if r["completion_tokens"] == 12 else "stop")
+        assert 0 <= r["completion_tokens"] <= 12 * r.get("turns", 1)
+        if r.get("turns", 1) == 1:
+            assert r["finish_reason"] == ("length" if r["completion_tokens"] == 12 else "stop")
         if r["messages"][-1]["content"].strip():
             # extract's own reader takes the record as one conversation with an assistant turn to train on
-            assert normalise(r) == r["messages"]
+            assert normalise(r)[0] == r["messages"]
     assert any(r["completion_tokens"] > 0 for r in recs)
-    # The conversation rows keep their system and earlier turns.
-    assert recs[[r["source_row"] for r in recs].index(3)]["messages"][1] == {"role": "assistant", "content": "Blue."}
+    # System prompts are kept; every assistant turn is the target's, regenerated in order after each user turn.
+    two = recs[[r["source_row"] for r in recs].index(3)]
+    assert [m["role"] for m in two["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert two["messages"][1]["content"] != "Blue." and two["turns"] == 2
+    assert recs[[r["source_row"] for r in recs].index(2)]["messages"][0] == {"role": "system", "content": "Be brief."}
     assert (reference.parent / "data.jsonl.config.json").exists()
 
 
@@ -105,11 +109,13 @@ def test_greedy_batched_equals_one_by_one(tiny_qwen3, prompts_file, reference, t
     run(_cfg(tiny_qwen3, prompts_file, out, batch_size=1))
     by_row = lambda path: {r["source_row"]: r for r in _records(path)}  # noqa: E731
     assert by_row(out) == by_row(reference)
-    prompts = read_prompts(prompts_file)
-    for row in (1, 3):  # a long and a multi-turn prompt, both padded in their batch of 3
-        expected = _manual_greedy(tiny_qwen3, prompts[row].messages, 12)
+    # A long and a multi-turn prompt, both padded in their batch of 3: each assistant turn is the greedy answer to
+    # the regenerated history before it.
+    for row, turn in ((1, 1), (3, 1), (3, 3)):
+        messages = by_row(reference)[row]["messages"]
+        expected = _manual_greedy(tiny_qwen3, messages[:turn], 12)
         assert expected  # a non-empty answer, so the comparison says something
-        assert by_row(reference)[row]["messages"][-1]["content"] == expected
+        assert messages[turn]["content"] == expected
 
 
 def test_resume_after_partial_output_and_torn_last_line(tiny_qwen3, prompts_file, reference, tmp_path):
@@ -149,42 +155,51 @@ def test_plain_text_prompts(tmp_path):
     path = tmp_path / "p.txt"
     path.write_text("first prompt\n\n  second prompt  \nthird\n", encoding="utf-8")
     prompts = read_prompts(path)
-    assert [(p.row, p.line, p.messages[0]["content"]) for p in prompts] == [
-        (0, 1, "first prompt"),
-        (1, 3, "second prompt"),
-        (2, 4, "third"),
+    assert [(p.row, p.where, p.messages[0]["content"]) for p in prompts] == [
+        (0, f"{path}:1", "first prompt"),
+        (1, f"{path}:3", "second prompt"),
+        (2, f"{path}:4", "third"),
     ]
 
 
 @pytest.mark.parametrize(
-    "bad, found",
+    "bad, reason",
     [
-        ('{"prompt": "ok"', "invalid JSON"),
-        ('{"text": "no prompt key"}', "keys [text]"),
-        ('{"prompt": ""}', "non-empty string"),
-        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}', "the user's"),
-        ('{"messages": [{"role": "robot", "content": "q"}]}', "'robot'"),
-        ("[1, 2]", "a JSON list"),
+        ('{"prompt": "ok"', "malformed_json"),
+        ('{"text": "no prompt key"}', "unknown_shape"),
+        ('{"prompt": ""}', "empty_content"),
+        ('{"messages": [{"role": "assistant", "content": "a"}]}', "no_user_turn"),
+        ('{"messages": [{"role": "robot", "content": "q"}]}', "unknown_role"),
+        ("[1, 2]", "unknown_shape"),
     ],
 )
-def test_bad_prompt_row_is_reported_with_its_line(tmp_path, bad, found):
+def test_bad_prompt_rows_are_counted_by_reason_and_named(tmp_path, caplog, bad, reason):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "fine"}\n\n' + bad + "\n", encoding="utf-8")
-    with pytest.raises(InputError, match=r"line 3: expected .*" + re.escape(found)):
+    with caplog.at_level("WARNING"):
+        prompts = read_prompts(path)
+    assert [p.row for p in prompts] == [0]
+    assert f"1 bad prompt rows ({reason}), skipped: row 1 ({path}:3" in caplog.text
+    # A file with no usable row at all is one clear error.
+    path.write_text(bad + "\n", encoding="utf-8")
+    with pytest.raises(InputError, match=rf"--prompts {re.escape(str(path))}: expected at least one row with a "
+                                         rf"user turn, found none usable of 1 \({reason}: 1\)"):
         read_prompts(path)
 
 
-def test_cli_reports_a_bad_prompts_file_in_one_line(tiny_qwen3, tmp_path):
+def test_cli_reports_a_prompts_file_with_nothing_usable_in_one_line(tiny_qwen3, tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt": "fine"}\n{"prompt": 3}\n', encoding="utf-8")
+    path.write_text('{"prompt": 3}\n{"prompt": ""}\n', encoding="utf-8")
     proc = subprocess.run(
         [sys.executable, "-m", "dflash.cli", "generate", "--model", str(tiny_qwen3), "--prompts", str(path),
          "--out", str(tmp_path / "o.jsonl")],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"--prompts {path} line 2: expected prompt to be a non-empty string" in lines[0]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert f"--prompts {path}: expected at least one row with a user turn, found none usable of 2" in last
+    assert "empty_content: 1, non_string_content: 1" in last
+    assert "Traceback" not in proc.stderr
     assert not (tmp_path / "o.jsonl").exists()
 
 

@@ -11,7 +11,6 @@ from torch.nn import functional as F
 
 from dflash.config import DemoConfig, TrainConfig
 from dflash.drafter.attention import make_attend
-from dflash.drafter.linear_ce import chunked_linear_ce_rows
 from dflash.drafter.target_head import load_target_head
 from dflash.errors import ConfigError, ManifestMismatch
 from dflash.train.checkpoint import check_resume
@@ -49,24 +48,6 @@ def test_dpace_weights_are_detached() -> None:
     assert not w.requires_grad and w.grad_fn is None
     (w * ce).sum().backward()
     torch.testing.assert_close(ce.grad, w)  # the gradient of sum w CE is w itself: none flows through w
-
-
-@pytest.mark.parametrize("chunk", [1, 3, None])
-def test_chunked_ce_rows_equal_full_logits(chunk: int | None) -> None:
-    torch.manual_seed(0)
-    N, H, V = 7, 5, 11
-    h = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
-    W = torch.randn(V, H, dtype=torch.float64)
-    labels = torch.randint(0, V, (N,))
-    w = torch.rand(N, dtype=torch.float64)
-    ce, pred = chunked_linear_ce_rows(h, W, labels, chunk)
-    (ce * w).sum().backward()
-    h2 = h.detach().clone().requires_grad_(True)
-    ref = F.cross_entropy(h2 @ W.T, labels, reduction="none")
-    (ref * w).sum().backward()
-    torch.testing.assert_close(ce, ref.detach())
-    torch.testing.assert_close(h.grad, h2.grad)
-    assert torch.equal(pred, (h2 @ W.T).argmax(-1))
 
 
 def test_dpace_loss_and_gradient_equal_a_full_logits_reference(tiny_qwen3) -> None:

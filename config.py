@@ -32,6 +32,8 @@ __all__ = [
 CODECS = ("blosc", "none", "fp8")
 DTYPES = ("bfloat16", "float32")
 GENERATE_ENGINES = ("auto", "fast", "plain")
+POSITION_WEIGHTS = ("decay", "dpace")
+DPACE_ALPHA = 0.5
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, choices: tuple[str, ...] | None = None,
@@ -143,6 +145,15 @@ def resolve_devices(gpus: str, local_rank: int | None = None) -> list[str]:
     if local_rank is not None:
         return [f"cuda:{have[local_rank % len(have)]}"]
     return [f"cuda:{i}" for i in have]
+
+
+def position_weights_option() -> Any:
+    """Return the --position-weights field (train's and the demo's: one default, one help)."""
+    return option("decay", choices=POSITION_WEIGHTS,
+                  help="Loss weight of each block slot: decay is exp(-(k-1)/gamma), a weighted mean; dpace is "
+                       "D-PACE (arXiv 2605.18810), each slot's share of the block's expected accepted length under "
+                       "the drafter's own confidences, summed per block and averaged over blocks. Validation and "
+                       "`dflash eval` losses stay decay-weighted.")
 
 
 def _check(cond: bool, message: str) -> None:
@@ -315,6 +326,9 @@ class TrainConfig(StageConfig):
     attention: str = option("auto", choices=("auto", "flex", "sdpa"),
                             help="Attention kernel: auto is flex on CUDA, sdpa on CPU.")
     dtype: str = option("bfloat16", choices=DTYPES, help="Compute dtype (master weights stay fp32).")
+    position_weights: str = position_weights_option()
+    dpace_alpha: float = option(DPACE_ALPHA, help="D-PACE's confidence floor: q~ = (1 - alpha) q + alpha, in (0, 1] "
+                                                  "(with --position-weights dpace; the paper's 0.5).")
 
     def __post_init__(self) -> None:
         parse_gpus(self.gpus)
@@ -349,6 +363,12 @@ class TrainConfig(StageConfig):
         _check(self.full_every is None or self.full_every >= 1, "--full-every must be >= 1")
         _check(self.attention in ("auto", "flex", "sdpa"), f"--attention {self.attention!r}: use auto, flex or sdpa")
         _check(self.dtype in DTYPES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        _check(self.position_weights in POSITION_WEIGHTS,
+               f"--position-weights {self.position_weights!r}: use {' or '.join(POSITION_WEIGHTS)}")
+        _check(0 < self.dpace_alpha <= 1, f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha}")
+        _check(self.dpace_alpha == DPACE_ALPHA or self.position_weights == "dpace",
+               f"--dpace-alpha {self.dpace_alpha} applies to --position-weights dpace only (it is "
+               f"{self.position_weights}); drop it or pass --position-weights dpace")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -460,9 +480,12 @@ class DemoConfig(StageConfig):
     self_prompts: int | None = option(
         None, help="Prompts the target writes itself and answers, besides the bundled ones (default: the budget's, "
                    "10,000 for gpu, 0 for full).")
+    position_weights: str = position_weights_option()
 
     def __post_init__(self) -> None:
         _check(self.device in ("cpu", "cuda"), f"--device {self.device!r}: use cpu or cuda")
+        _check(self.position_weights in POSITION_WEIGHTS,
+               f"--position-weights {self.position_weights!r}: use {' or '.join(POSITION_WEIGHTS)}")
         _check(self.budget in DEMO_BUDGETS, f"--budget {self.budget!r}: use one of {', '.join(DEMO_BUDGETS)}")
         _check(self.self_prompts is None or self.self_prompts >= 0,
                f"--self-prompts must be >= 0, got {self.self_prompts}")

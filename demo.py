@@ -104,8 +104,11 @@ class _State:
         self.data: dict[str, Any] = {"config": cfg.to_dict(), "stages": {}}
         if self.path.is_file():
             saved = json.loads(self.path.read_text(encoding="utf-8"))
-            for name in ("budget", "self_prompts"):  # what decides the data; a rerun resumes only the same
-                was, now = saved.get("config", {}).get(name), getattr(cfg, name)
+            # What decides the data and the training; a rerun resumes only the same (an option the saved run
+            # predates had its default then).
+            for name in ("budget", "self_prompts", "position_weights"):
+                was = saved.get("config", {}).get(name, type(cfg).__dataclass_fields__[name].default)
+                now = getattr(cfg, name)
                 if was != now:
                     flag = "--" + name.replace("_", "-")
                     raise ConfigError(f"--out {out}: holds a demo run with {flag} {was}, asked for {flag} {now}; "
@@ -144,11 +147,12 @@ def extract_config(budget: Budget, target: Path, data: Path, store_dir: Path, gp
                                    dtype="float32"), **over})
 
 
-def train_config(budget: Budget, store_dir: Path, target: Path, run_dir: Path, gpus: str) -> Any:
-    """Return the TrainConfig of the demo's train stage: the budget's drafter, its held-out shards held out."""
+def train_config(budget: Budget, store_dir: Path, target: Path, run_dir: Path, gpus: str, **over: Any) -> Any:
+    """Return the TrainConfig of the demo's train stage: the budget's drafter, its held-out shards held out
+    (over: fields the demo's options set, --position-weights)."""
     from .config import TrainConfig
 
-    return TrainConfig(store=str(store_dir), target=str(target), out=str(run_dir), gpus=gpus, epochs=1000,
+    return TrainConfig(**over, store=str(store_dir), target=str(target), out=str(run_dir), gpus=gpus, epochs=1000,
                        max_steps=budget.steps, batch_tokens=budget.batch_tokens, lr=budget.lr,
                        draft_layers=budget.draft_layers, block_size=budget.block_size, anchors=budget.anchors,
                        val_shards=tuple(range(budget.held_out_shards)), resume=True,
@@ -265,7 +269,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         from .train import run as tr
         from .train.metrics import read_metrics
 
-        tr(train_config(budget, store_dir, target, run_dir, gpus))
+        tr(train_config(budget, store_dir, target, run_dir, gpus, position_weights=cfg.position_weights))
         vals = [m for m in read_metrics(run_dir) if m.get("split") == "val"]
         return {"steps": budget.steps, "val_tau_hat": vals[-1]["tau_hat"] if vals else None}
 
@@ -302,6 +306,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         "target": "SmolLM2-135M-Instruct (embedded)",
         "device": cfg.device,
         "budget": cfg.budget,
+        "position_weights": cfg.position_weights,
         "prompts_answered": gen_r["prompts"],
         "self_written_prompts": pr_r["self_written"],
         "answers_dtype": ", ".join(dec_r.get("data_numerics") or []) or None,
@@ -363,13 +368,14 @@ def format_table(t: dict[str, Any]) -> str:
     same = t.get("tau_hat_decoded_same_anchors")
     own = f", {t['self_written_prompts']:,} of them written by the target" if t.get("self_written_prompts") else ""
     dtype = f", answers in {t['answers_dtype']}" if t.get("answers_dtype") else ""
+    weights = f", {t['position_weights']} position weights" if t.get("position_weights", "decay") != "decay" else ""
     rows = [
         ("target", f"{t['target']} on {t['device']}"),
         ("tokens extracted", f"{t['tokens_extracted']:,} ({t['prompts_answered']} prompts answered{own}{held}"
                              f"{dtype})"),
         ("store size", f"{t['store_bytes'] / 1e6:.1f} MB"),
         ("training time", f"{t['training_seconds']:.0f} s ({t['training_steps']} steps, drafter {t['drafter']}"
-                          f"{trained})"),
+                          f"{trained}{weights})"),
         ("tau_hat (held-out, teacher-forced)", f"{t['tau_hat']:.2f}"),
         ("per-slot accuracy (held-out)", " ".join(f"{a:.3f}" for a in t.get("slot_accuracy", [])) or "-"),
         ("tau (measured, held-out prompts)", f"{t['tau']:.2f} over {t['held_out_prompts_decoded']} prompts"),

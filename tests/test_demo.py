@@ -98,6 +98,9 @@ def test_demo_refuses_another_budget_in_the_same_folder(tmp_path):
     (tmp_path / "demo-state.json").write_text(json.dumps({"config": {"budget": "tiny", "self_prompts": None}}))
     with pytest.raises(ConfigError, match="--self-prompts None, asked for --self-prompts 7"):
         demo.run(DemoConfig(out=str(tmp_path), budget="tiny", self_prompts=7))
+    # A state written before --position-weights existed trained with decay weights.
+    with pytest.raises(ConfigError, match="--position-weights decay, asked for --position-weights dpace"):
+        demo.run(DemoConfig(out=str(tmp_path), budget="tiny", position_weights="dpace"))
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="found a file"):
         demo.run(DemoConfig(out=str(tmp_path / "file"), budget="tiny"))
@@ -106,15 +109,18 @@ def test_demo_refuses_another_budget_in_the_same_folder(tmp_path):
 def test_format_table_names_every_number():
     from dflash.demo import format_table
 
-    text = format_table({
+    t = {
         "target": "t", "device": "cpu", "tokens_extracted": 1234, "prompts_answered": 3, "store_bytes": 5_000_000,
         "training_seconds": 12.0, "training_steps": 7, "drafter": "1 layers, block 4", "tau_hat": 2.5, "tau": 2.25,
         "held_out_prompts_decoded": 2, "speedup_target_forwards": 2.0, "forwards_greedy": 40,
         "forwards_speculative": 20, "identical_to_greedy": False, "identical_prompts": 1,
         "stage_seconds": {"generate": 3.0},
-    })
+    }
+    text = format_table(t)
     assert "1,234" in text and "5.0 MB" in text and "2.25 over 2 prompts" in text and "2.00x (40 greedy -> 20)" in text
-    assert "no (1/2 prompts)" in text
+    assert "no (1/2 prompts)" in text and "position weights" not in text
+    assert "7 steps, drafter 1 layers, block 4, dpace position weights)" in format_table(
+        {**t, "position_weights": "dpace"})
 
 
 def test_format_table_says_plainly_when_speculative_decoding_is_slower_on_the_clock():

@@ -8,7 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from dflash.drafter.attention import bucket, dense_masks
-from dflash.drafter.linear_ce import chunked_linear_ce
+from dflash.drafter.linear_ce import chunked_linear_ce, chunked_linear_ce_rows
 from dflash.drafter.model import DrafterConfig
 from dflash.train.objective import (
     Metrics,
@@ -144,6 +144,13 @@ def test_chunked_ce_equals_full_logits(chunk: int | None) -> None:
     torch.testing.assert_close(ce, F.cross_entropy(logits.detach(), labels, reduction="none"))
     torch.testing.assert_close(h.grad, h2.grad)
     assert torch.equal(pred, logits.argmax(-1))
+    # The per-row form (D-PACE weighs rows by their own CE): the weights come after the forward, same gradient.
+    h3 = h.detach().clone().requires_grad_(True)
+    ce3, pred3 = chunked_linear_ce_rows(h3, W, labels, chunk)
+    (ce3 * scale).sum().backward()
+    torch.testing.assert_close(ce3.detach(), ce)
+    torch.testing.assert_close(h3.grad, h2.grad)
+    assert torch.equal(pred3, pred)
 
 
 def test_streak_and_tau_hat_by_hand() -> None:

@@ -406,7 +406,21 @@ def read_run_record(run: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def check_resume(run: str | os.PathLike, saved: dict[str, Any], now: dict[str, Any]) -> None:
-    """Raise ManifestMismatch naming every field of the store, model shape, world or options that changed."""
+    """Raise ManifestMismatch naming every field of the store, model shape, world or options that changed.
+
+    An option the saved record lacks was added after the run was made, which then trained as the option's default
+    does (a new option defaults to the old behaviour): only another value is a change.
+    """
+    import dataclasses
+
+    from ..config import TrainConfig
+
+    config = saved.get("config")
+    if isinstance(config, dict):
+        added = {f.name: f.default for f in dataclasses.fields(TrainConfig)
+                 if f.name not in config and f.default is not dataclasses.MISSING}
+        saved = {**saved, "config": {**json.loads(json.dumps(added)), **config}}
+
     def resumable(key: str) -> bool:
         return ((key.startswith("config.") and key.split(".", 1)[1] in RESUMABLE_CHANGES)
                 or key.startswith(RESUMABLE_RESOLVED))

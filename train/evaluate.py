@@ -50,7 +50,11 @@ def evaluate_shards(
     skip_corrupt: bool = False,
 ) -> dict[str, Any]:
     """Return teacher-forced metrics over every sample of the shards: loss, acc, slot_accuracy, accept_rate
-    (fraction of blocks whose first k drafts are all right, k = 1..B-1), tau_hat = 1 + mean streak, counts."""
+    (fraction of blocks whose first k drafts are all right, k = 1..B-1), tau_hat = 1 + mean streak, counts.
+
+    The loss is decay-weighted whatever the run trained with (loss_weights says so): D-PACE's weights follow the
+    drafter's own confidences, so its loss would not compare across drafters; tau_hat and accuracy are unweighted.
+    """
     import torch
 
     from .objective import batch_capacity, max_blocks_for, pack_batch, predict
@@ -110,6 +114,7 @@ def evaluate_shards(
     at_least = streak_hist.flip(0).cumsum(0).flip(0)  # blocks with streak >= s
     return {
         "loss": ce / wsum if wsum else float("nan"),
+        "loss_weights": "decay",
         "acc": float(hits.sum() / counts.sum()) if counts.sum() else float("nan"),
         "slot_accuracy": [float(h / c) if c else float("nan") for h, c in zip(hits, counts)],
         "accept_rate": [float(at_least[s] / blocks) if blocks else float("nan") for s in range(1, B)],
@@ -183,7 +188,7 @@ def format_eval(result: dict[str, Any]) -> str:
         f"tau_hat    {result['tau_hat']:.3f} (teacher-forced, {result['held_out_samples']:,} samples"
         + (f"; trained on {result['tokens_trained_on']:,} tokens of the other shards)"
            if result.get("tokens_trained_on") is not None else ")"),
-        f"loss       {result['loss']:.4f}   acc {result['acc']:.3f}",
+        f"loss       {result['loss']:.4f} ({result.get('loss_weights', 'decay')} weights)   acc {result['acc']:.3f}",
         "slot       " + " ".join(f"{k + 1:>5d}" for k in range(len(result["slot_accuracy"]))),
         "accuracy   " + " ".join(f"{a:5.3f}" for a in result["slot_accuracy"]),
         "acceptance " + " ".join(f"{a:5.3f}" for a in result["accept_rate"]),

@@ -48,36 +48,12 @@ class Learner:
         return torch.autocast(self.dist.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
 
     def step(self, micro: list[Any]) -> tuple["Metrics | None", float, float]:
-        """Run one optimizer step over this rank's micro-batches; return (summed Metrics or None, grad norm, lr).
-
-        The loss of each micro-batch is normalised by the decay-weight total of the whole global batch (all ranks,
-        all micro-batches), so the gradient equals that of one big batch whatever the world size and accumulation.
-        """
+        """Run one optimizer step over this rank's micro-batches; return (summed Metrics or None, grad norm, lr)."""
         import torch
 
         from ..drafter.flops import step_flops
-        from .objective import drafter_loss
 
-        dev = self.dist.device
-        local = [float(b.weights[:, 1:].sum()) if b is not None else 0.0 for b in micro]
-        total_w = float(self.dist.all_reduce(torch.tensor([sum(local)], dtype=torch.float64, device=dev))[0])
-        metrics = None
-        for i, (b, w) in enumerate(zip(micro, local)):
-            sync = i == len(micro) - 1 or self.dist.world == 1
-            with (contextlib.nullcontext() if sync else self.ddp.no_sync()), self.autocast():
-                if b is None or w == 0.0:
-                    # Nothing to learn here, but DDP needs every rank to reduce every parameter's gradient.
-                    loss = sum(p.sum() for p in self.ddp.parameters()) * 0.0
-                    if b is not None:
-                        _, m = drafter_loss(self.ddp, b, self.head.embed, self.head.lm_head,
-                                            attention=self.attention, capacity=self.capacity)
-                        metrics = m if metrics is None else metrics + m
-                else:
-                    loss, m = drafter_loss(self.ddp, b, self.head.embed, self.head.lm_head,
-                                           attention=self.attention, capacity=self.capacity)
-                    loss = loss * (w / max(total_w, 1e-12) * self.dist.world)
-                    metrics = m if metrics is None else metrics + m
-            loss.backward()
+        metrics = self.backward(micro)
         self.last_flops = sum(sum(step_flops(self.model.config, b).values()) for b in micro if b is not None)
         gnorm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip))
         lr = self.sched.get_last_lr()[0]
@@ -85,3 +61,36 @@ class Learner:
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return metrics, gnorm, lr
+
+    def backward(self, micro: list[Any]) -> "Metrics | None":
+        """Accumulate the gradient of this rank's micro-batches (reduced over ranks); return their summed Metrics.
+
+        The loss of each micro-batch is normalised by the loss denominator of the whole global batch (all ranks,
+        all micro-batches; objective.loss_denominator: the decay-weight total, or D-PACE's counted blocks), so the
+        gradient equals that of one big batch whatever the world size, accumulation and anchors per rank.
+        """
+        import torch
+
+        from .objective import drafter_loss, loss_denominator
+
+        dev, weighting = self.dist.device, self.cfg.position_weights
+        local = [loss_denominator(b.weights, weighting) if b is not None else 0.0 for b in micro]
+        total = float(self.dist.all_reduce(torch.tensor([sum(local)], dtype=torch.float64, device=dev))[0])
+        options = dict(attention=self.attention, capacity=self.capacity, position_weights=weighting,
+                       dpace_alpha=self.cfg.dpace_alpha)
+        metrics = None
+        for i, (b, d) in enumerate(zip(micro, local)):
+            sync = i == len(micro) - 1 or self.dist.world == 1
+            with (contextlib.nullcontext() if sync else self.ddp.no_sync()), self.autocast():
+                if b is None or d == 0.0:
+                    # Nothing to learn here, but DDP needs every rank to reduce every parameter's gradient.
+                    loss = sum(p.sum() for p in self.ddp.parameters()) * 0.0
+                    if b is not None:
+                        _, m = drafter_loss(self.ddp, b, self.head.embed, self.head.lm_head, **options)
+                        metrics = m if metrics is None else metrics + m
+                else:
+                    loss, m = drafter_loss(self.ddp, b, self.head.embed, self.head.lm_head, **options)
+                    loss = loss * (d / max(total, 1e-12) * self.dist.world)
+                    metrics = m if metrics is None else metrics + m
+            loss.backward()
+        return metrics

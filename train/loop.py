@@ -369,7 +369,7 @@ class Trainer:
                                       anchors=self.cfg.anchors, seed=self.cfg.seed, attention=learner.attention,
                                       device=self.dist.device, skip_corrupt=self.cfg.skip_corrupt)
             self.runlog.validation({"split": "val", "step": self.step, "epoch": epoch, **{k: out[k] for k in (
-                "loss", "acc", "tau_hat", "slot_accuracy", "accept_rate", "blocks", "tokens", "shards")}})
+                "loss", "loss_weights", "acc", "tau_hat", "slot_accuracy", "accept_rate", "blocks", "tokens", "shards")}})
         self.dist.barrier()
 
     def log_window(self, epoch: int, gnorm: float, lr: float) -> None:
@@ -390,8 +390,11 @@ class Trainer:
         if self.runlog is not None:
             rate = (time.perf_counter() - self.started) / max(1, self.step - self.start_step)
             counted = sum(m.slot_count)
+            # D-PACE's mean weight per slot shows where its credit goes; decay's would be its constants.
+            dpace = {"slot_weight": m.slot_mean_weight} if self.cfg.position_weights == "dpace" else {}
             self.runlog.step({
                 "split": "train", "step": self.step, "epoch": epoch, "loss": m.loss,
+                "loss_weights": self.cfg.position_weights, **dpace,
                 "acc": sum(m.slot_correct) / counted if counted else float("nan"), "tau_hat": m.tau_hat,
                 "streak": m.tau_hat - 1.0, "slot_accuracy": m.slot_accuracy, "lr": lr,
                 "grad_norm": gnorm, "tokens_per_s": tokens / max(elapsed, 1e-9),

@@ -143,7 +143,9 @@ def plot_run(run: str | os.PathLike) -> Path | None:
     for ax, key in zip(axes, ("loss", "tau_hat")):
         for rows, label, style in ((train, "train", "-"), (val, "validation", "o-")):
             if rows:
-                ax.plot([r["step"] for r in rows], [r[key] for r in rows], style, label=label)
+                weights = rows[-1].get("loss_weights", "decay")  # D-PACE's train loss is on another scale
+                ax.plot([r["step"] for r in rows], [r[key] for r in rows], style,
+                        label=f"{label} ({weights} weights)" if key == "loss" and weights != "decay" else label)
         ax.set_xlabel("step")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)

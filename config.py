@@ -31,6 +31,7 @@ __all__ = [
 
 CODECS = ("blosc", "none", "fp8")
 DTYPES = ("bfloat16", "float32")
+DTYPE_CHOICES = ("auto",) + DTYPES  # auto: numerics.py decides (bf16 on CUDA and on CPUs with native bf16)
 GENERATE_ENGINES = ("auto", "fast", "plain")
 POSITION_WEIGHTS = ("decay", "dpace")
 DPACE_ALPHA = 0.5
@@ -255,7 +256,9 @@ class ExtractConfig(StageConfig):
                    "(when vocab_size > len(tokenizer)); a target with a full vocabulary needs an unused special "
                    "token's id here. Recorded in the store.")
     strict: bool = option(False, help="Stop at the first bad row instead of counting it.")
-    dtype: str = option("bfloat16", choices=DTYPES, help="Dtype the target runs in.")
+    dtype: str = option("auto", choices=DTYPE_CHOICES,
+                        help="Dtype the target runs in: auto is bfloat16 on CUDA and on CPUs with native bf16, "
+                             "float32 on other CPUs (a store being resumed keeps its own). Recorded in the store.")
     writer_threads: int | None = option(
         None, help="Threads per worker that compress and write chunks [default: this machine's CPUs shared among "
                    "its workers, 2-16].")
@@ -274,7 +277,7 @@ class ExtractConfig(StageConfig):
             f"--batch-tokens ({self.batch_tokens}) must be >= --max-length ({self.max_length}) so every sample fits",
         )
         _check(self.codec in CODECS, f"--codec {self.codec!r} is not one of {', '.join(CODECS)}")
-        _check(self.dtype in DTYPES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        _check(self.dtype in DTYPE_CHOICES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
         _check(self.mask_token_id is None or self.mask_token_id >= 0, "--mask-token-id must be >= 0")
         _check(self.writer_threads is None or self.writer_threads >= 1,
                f"--writer-threads must be >= 1, got {self.writer_threads}")
@@ -325,7 +328,9 @@ class TrainConfig(StageConfig):
     full_every: int | None = option(None, help="Every K-th drafter layer attends fully (with --sliding-window).")
     attention: str = option("auto", choices=("auto", "flex", "sdpa"),
                             help="Attention kernel: auto is flex on CUDA, sdpa on CPU.")
-    dtype: str = option("bfloat16", choices=DTYPES, help="Compute dtype (master weights stay fp32).")
+    dtype: str = option("auto", choices=DTYPE_CHOICES,
+                        help="Compute dtype (master weights stay fp32): auto is bfloat16 on CUDA and on CPUs with "
+                             "native bf16, float32 on other CPUs (a run being resumed keeps its own). Recorded.")
     position_weights: str = position_weights_option()
     dpace_alpha: float = option(DPACE_ALPHA, help="D-PACE's confidence floor: q~ = (1 - alpha) q + alpha, in (0, 1] "
                                                   "(with --position-weights dpace; the paper's 0.5).")
@@ -362,7 +367,7 @@ class TrainConfig(StageConfig):
         _check(self.sliding_window is None or self.sliding_window >= 1, "--sliding-window must be >= 1")
         _check(self.full_every is None or self.full_every >= 1, "--full-every must be >= 1")
         _check(self.attention in ("auto", "flex", "sdpa"), f"--attention {self.attention!r}: use auto, flex or sdpa")
-        _check(self.dtype in DTYPES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        _check(self.dtype in DTYPE_CHOICES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
         _check(self.position_weights in POSITION_WEIGHTS,
                f"--position-weights {self.position_weights!r}: use {' or '.join(POSITION_WEIGHTS)}")
         _check(0 < self.dpace_alpha <= 1, f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha}")
@@ -398,7 +403,7 @@ class GenerateConfig(StageConfig):
         "auto", choices=GENERATE_ENGINES,
         help="transformers decoding: fast (static KV cache, continuous batching, CUDA graphs on cuda), plain "
              "(transformers' generate); auto is fast where the architecture allows. Recorded beside --out.")
-    dtype: str = option("auto", choices=("auto",) + DTYPES,
+    dtype: str = option("auto", choices=DTYPE_CHOICES,
                         help="Dtype the target runs in: auto is float32 on cpu, the folder's own on cuda. Recorded "
                              "beside --out.")
     seed: int = option(0, help="Seed of sampling (temperature > 0, and --self-prompts).")
@@ -422,7 +427,7 @@ class GenerateConfig(StageConfig):
         _check(self.device in ("cpu", "cuda"), f"--device {self.device!r}: use cpu or cuda")
         _check(self.backend in ("transformers", "vllm"), f"--backend {self.backend!r}: use transformers or vllm")
         _check(self.engine in GENERATE_ENGINES, f"--engine {self.engine!r}: use {', '.join(GENERATE_ENGINES)}")
-        _check(self.dtype in ("auto",) + DTYPES, f"--dtype {self.dtype!r}: use auto, {', '.join(DTYPES)}")
+        _check(self.dtype in DTYPE_CHOICES, f"--dtype {self.dtype!r}: use auto, {', '.join(DTYPES)}")
 
 
 DEMO_BUDGETS = ("auto", "full", "gpu", "tiny")
@@ -452,6 +457,9 @@ class EvalConfig(StageConfig):
     chat_template_kwargs: dict[str, Any] | None = option(
         None, parse="parse_json_object", metavar="JSON",
         help='With --prompts: extra chat-template variables as a JSON object, e.g. \'{"enable_thinking": false}\'.')
+    dtype: str = option("auto", choices=DTYPE_CHOICES,
+                        help="Compute dtype (weights stay fp32), as training's validation: auto is bfloat16 on CUDA "
+                             "and on CPUs with native bf16, float32 on other CPUs.")
 
     def __post_init__(self) -> None:
         _check(self.store is not None or self.prompts is not None,
@@ -467,6 +475,7 @@ class EvalConfig(StageConfig):
                f"--val-fraction must be in (0, 1), got {self.val_fraction}")
         _check(self.batch_tokens >= 1, f"--batch-tokens must be >= 1, got {self.batch_tokens}")
         _check(self.anchors >= 1, f"--anchors must be >= 1, got {self.anchors}")
+        _check(self.dtype in DTYPE_CHOICES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
 
 
 @dataclass(frozen=True, kw_only=True)

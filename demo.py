@@ -159,7 +159,7 @@ def train_config(budget: Budget, store_dir: Path, target: Path, run_dir: Path, g
                        max_steps=budget.steps, batch_tokens=budget.batch_tokens, lr=budget.lr,
                        draft_layers=budget.draft_layers, block_size=budget.block_size, anchors=budget.anchors,
                        val_shards=tuple(range(budget.held_out_shards)), resume=True,
-                       save_every=max(1, budget.steps // 6), log_every=max(1, budget.steps // 30), dtype="bfloat16",
+                       save_every=max(1, budget.steps // 6), log_every=max(1, budget.steps // 30), dtype="auto",
                        warmup_ratio=0.04)
 
 

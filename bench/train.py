@@ -40,7 +40,7 @@ from dflash.train.dist import Dist
 from dflash.train.plan import plan_round
 from dflash.train.learner import Learner
 from dflash.train.objective import max_blocks_for
-from dflash.train.prepare import ShardLengths, drafter_config
+from dflash.train.prepare import ShardLengths, drafter_config, resolve_train_dtype
 from dflash.train.stream import RoundStream, StreamSpec
 
 log = logging.getLogger("bench.train")
@@ -246,6 +246,7 @@ def main() -> None:
     dist = Dist(0, 1, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    cfg = resolve_train_dtype(cfg, dist)  # --dtype auto made concrete, as `dflash train` does
     trainer = Learner(cfg, dcfg, dist)
     workloads = {kind: run_workload(kind, args, work, target, trainer, device) for kind in kinds}
     result = {

@@ -58,6 +58,23 @@ def _stored_header(url: str) -> dict[str, Any] | None:
         return None
 
 
+def _resolve_dtype(cfg: "ExtractConfig", device: str, stored: dict[str, Any] | None) -> "ExtractConfig":
+    """Return cfg with --dtype made concrete (numerics.py, logging why), as the header records it.
+
+    A store being resumed keeps the dtype it was extracted in when --dtype is auto, even where auto would now pick
+    another: its shards must all come from one numerics, and another dtype would refuse the header anyway.
+    """
+    import dataclasses
+
+    from ..config import DTYPES
+    from ..numerics import resolve_dtype
+
+    recorded = (stored or {}).get("compute_dtype")
+    dtype = resolve_dtype(cfg.dtype, device, auto=recorded if recorded in DTYPES else None,
+                          auto_reason=f"the store being resumed ({cfg.out}) was extracted in it")
+    return dataclasses.replace(cfg, dtype=dtype)
+
+
 def _worker_main(cfg_dict: dict[str, Any], spec: Any, report: Any) -> dict[str, Any]:
     """Entry point of a spawned worker process: one device's share of the shards."""
     from ..config import ExtractConfig
@@ -128,7 +145,9 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
     # Everything that can refuse the run (devices, data, a folder without weights) is checked before the store
     # exists, so a refused run leaves no store behind.
     devices = resolve_devices(cfg.gpus, local_rank)
-    header = in_form_of(build_header(cfg, model_config, tokenizer, template, rows), _stored_header(cfg.out))
+    stored = _stored_header(cfg.out)
+    cfg = _resolve_dtype(cfg, devices[0], stored)
+    header = in_form_of(build_header(cfg, model_config, tokenizer, template, rows), stored)
     if cfg.dry_run or not cfg.force:
         plan = _plan(cfg, header, rows, tokenizer, template, devices)
         if cfg.dry_run:

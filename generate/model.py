@@ -46,7 +46,15 @@ def resolve(cfg: "GenerateConfig") -> "GenerateConfig":
     # "The capital of France is Paris." became "L'Etoile, ..."; even eager attention changed 9 of 16 answers
     # between batch 16 and batch 1. fp32 kept 8 of 8 answers identical between batch 8 and batch 1, so auto
     # uses it there, at a cost (bf16 decoded up to ~3x faster on this AVX512-bf16 CPU). GPUs keep the folder's.
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("float32" if cfg.device == "cpu" else _folder_dtype(cfg.model))
+    from ..numerics import resolve_dtype
+
+    if cfg.device == "cpu":
+        auto = "float32"
+        why = "generate's auto on a CPU, where bf16 answers depend on the batch and decoding verifies in float32"
+    else:
+        auto = _folder_dtype(cfg.model)
+        why = f"generate's auto on CUDA: the dtype {cfg.model}/config.json names"
+    dtype = resolve_dtype(cfg.dtype, cfg.device, auto=auto, auto_reason=why)
     engine = cfg.engine
     if engine != "plain":
         from transformers import AutoConfig

@@ -132,6 +132,8 @@ def run_eval(cfg: "EvalConfig") -> dict[str, Any]:
 
     from ..drafter.files import load_drafter
     from ..drafter.target_head import load_target_head
+    from ..config import DTYPES
+    from ..numerics import compute_context, resolve_dtype
     from ..storage import Store
     from .checkpoint import resolve_drafter
     from .plan import split_shards
@@ -167,12 +169,18 @@ def run_eval(cfg: "EvalConfig") -> dict[str, Any]:
     head_dir = cfg.target or (record or {}).get("config", {}).get("target") or store.header["target"]["path"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device)
-    head = load_target_head(head_dir, dtype=torch.float32, device=device)
-    out = evaluate_shards(model, head, store, ids, batch_tokens=batch_tokens, anchors=anchors, device=device,
-                          attention="flex" if device.type == "cuda" else "sdpa", skip_corrupt=cfg.skip_corrupt)
+    # As training validates: fp32 weights, the head in the compute dtype, bf16 autocast for bfloat16; auto takes a
+    # run's own dtype (eval then repeats its validation numbers) unless this CPU would emulate bf16.
+    recorded = (record or {}).get("config", {}).get("dtype")
+    dtype = resolve_dtype(cfg.dtype, device.type, prefer=recorded if recorded in DTYPES else None,
+                          auto_reason=f"the run {folder.parent.parent} trained and validated in it")
+    head = load_target_head(head_dir, dtype=getattr(torch, dtype), device=device)
+    with compute_context(device.type, dtype):
+        out = evaluate_shards(model, head, store, ids, batch_tokens=batch_tokens, anchors=anchors, device=device,
+                              attention="flex" if device.type == "cuda" else "sdpa", skip_corrupt=cfg.skip_corrupt)
     # The other committed shards are the ones trained on (unknown when every shard is scored).
     trained = sorted(committed - set(ids))
-    out.update(drafter=str(folder), store=cfg.store, split=split,
+    out.update(drafter=str(folder), store=cfg.store, split=split, dtype=dtype,
                tokens_trained_on=None if cfg.shards == "all" else
                sum(int(store.commit_record(i).get("num_tokens", 0)) for i in trained),
                held_out_samples=sum(int(store.commit_record(i).get("num_samples", 0)) for i in out["shards"]))
@@ -188,7 +196,8 @@ def format_eval(result: dict[str, Any]) -> str:
         f"tau_hat    {result['tau_hat']:.3f} (teacher-forced, {result['held_out_samples']:,} samples"
         + (f"; trained on {result['tokens_trained_on']:,} tokens of the other shards)"
            if result.get("tokens_trained_on") is not None else ")"),
-        f"loss       {result['loss']:.4f} ({result.get('loss_weights', 'decay')} weights)   acc {result['acc']:.3f}",
+        f"loss       {result['loss']:.4f} ({result.get('loss_weights', 'decay')} weights)   acc {result['acc']:.3f}"
+        + (f"   (computed in {result['dtype']})" if result.get("dtype") else ""),
         "slot       " + " ".join(f"{k + 1:>5d}" for k in range(len(result["slot_accuracy"]))),
         "accuracy   " + " ".join(f"{a:5.3f}" for a in result["slot_accuracy"]),
         "acceptance " + " ".join(f"{a:5.3f}" for a in result["accept_rate"]),

@@ -31,6 +31,7 @@ class Learner:
         torch.manual_seed(cfg.seed)
         self.model = DFlashDrafter(dcfg).to(dev)  # fp32 master weights; compute is autocast to bf16
         self.ddp = DDP(self.model, device_ids=[dev] if dev.type == "cuda" else None) if dist.world > 1 else self.model
+        assert cfg.dtype in ("bfloat16", "float32"), f"--dtype {cfg.dtype} reached the learner unresolved"
         self.bf16 = cfg.dtype == "bfloat16"
         self.head = load_target_head(cfg.target, dtype=torch.bfloat16 if self.bf16 else torch.float32, device=dev)
         self.attention = cfg.attention if cfg.attention != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
@@ -43,9 +44,9 @@ class Learner:
 
     def autocast(self) -> Any:
         """Return the bf16 autocast context (or none for --dtype float32)."""
-        import torch
+        from ..numerics import compute_context
 
-        return torch.autocast(self.dist.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        return compute_context(self.dist.device.type, self.cfg.dtype)
 
     def step(self, micro: list[Any]) -> tuple["Metrics | None", float, float]:
         """Run one optimizer step over this rank's micro-batches; return (summed Metrics or None, grad norm, lr)."""

@@ -20,7 +20,7 @@ from .learner import Learner
 from .metrics import RunLog, Window, plot_run, require_tensorboard, truncate_metrics
 from .plan import LoaderState, Round, plan_round, planned_total
 from .prepare import (ShardLengths, check_out_folder, drafter_config, prepare_run_folder,
-                      resume_grad_accum, run_record, warn_cpu_sizes)
+                      resolve_train_dtype, resume_grad_accum, run_record, warn_cpu_sizes)
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -48,7 +48,7 @@ class Trainer:
         if cfg.tensorboard:
             require_tensorboard()
         self.dist = dist = Dist.setup(cfg.gpus)
-        self.cfg = cfg = resume_grad_accum(cfg, dist.world)
+        self.cfg = cfg = resolve_train_dtype(resume_grad_accum(cfg, dist.world), dist)
         if dist.rank == 0 and dist.device.type == "cpu":
             warn_cpu_sizes(cfg)
         self.store = wait_for_store(cfg.store) if cfg.follow else Store.open(cfg.store)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ..drafter.model import DrafterConfig
 
 __all__ = ["preflight", "check_out_folder", "warn_cpu_sizes", "drafter_config", "run_record",
-           "resume_grad_accum", "prepare_run_folder", "ShardLengths", "lr_factor"]
+           "resume_grad_accum", "resolve_train_dtype", "prepare_run_folder", "ShardLengths", "lr_factor"]
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,28 @@ def resume_grad_accum(cfg: "TrainConfig", world: int) -> "TrainConfig":
         )
     log.info("--resume on %d GPU(s): --grad-accum %d keeps the run's %d slots", world, slots // world, slots)
     return dataclasses.replace(cfg, grad_accum=slots // world)
+
+
+def resolve_train_dtype(cfg: "TrainConfig", dist: Any) -> "TrainConfig":
+    """Return cfg with --dtype made concrete: rank 0 decides (numerics.py, logging why), every rank takes it.
+
+    A resumed run keeps the dtype it trained in when --dtype is auto, even where auto would now pick another (a run
+    started on a GPU, resumed on a CPU without native bf16): changing numerics mid-run would break "resumed ==
+    uninterrupted" silently, while keeping them costs speed, which the warning then measures. An explicit --dtype
+    that differs from the run's is refused by check_resume, as any other changed option.
+    """
+    import dataclasses
+
+    from ..config import DTYPES
+    from ..numerics import resolve_dtype
+
+    dtype = None
+    if dist.rank == 0:
+        saved = read_run_record(cfg.out) if cfg.resume else None
+        recorded = ((saved or {}).get("config") or {}).get("dtype")
+        dtype = resolve_dtype(cfg.dtype, dist.device.type, auto=recorded if recorded in DTYPES else None,
+                              auto_reason=f"the run being resumed ({Path(cfg.out) / 'config.json'}) trained in it")
+    return dataclasses.replace(cfg, dtype=dist.broadcast(dtype))
 
 
 def prepare_run_folder(cfg: "TrainConfig", record: dict[str, Any]) -> Path | None:

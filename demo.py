@@ -144,11 +144,13 @@ def extract_config(budget: Budget, target: Path, data: Path, store_dir: Path, gp
                                    dtype="float32"), **over})
 
 
-def train_config(budget: Budget, store_dir: Path, target: Path, run_dir: Path, gpus: str) -> Any:
+def train_config(budget: Budget, store_dir: Path, target: Path, run_dir: Path, gpus: str,
+                 drafter: str = "dflash") -> Any:
     """Return the TrainConfig of the demo's train stage: the budget's drafter, its held-out shards held out."""
     from .config import TrainConfig
 
     return TrainConfig(store=str(store_dir), target=str(target), out=str(run_dir), gpus=gpus, epochs=1000,
+                       drafter=drafter,
                        max_steps=budget.steps, batch_tokens=budget.batch_tokens, lr=budget.lr,
                        draft_layers=budget.draft_layers, block_size=budget.block_size, anchors=budget.anchors,
                        val_shards=tuple(range(budget.held_out_shards)), resume=True,
@@ -264,7 +266,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         from .train import run as tr
         from .train.metrics import read_metrics
 
-        tr(train_config(budget, store_dir, target, run_dir, gpus))
+        tr(train_config(budget, store_dir, target, run_dir, gpus, cfg.drafter))
         vals = [m for m in read_metrics(run_dir) if m.get("split") == "val"]
         return {"steps": budget.steps, "val_tau_hat": vals[-1]["tau_hat"] if vals else None}
 

@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-__all__ = ["chunked_linear_ce", "default_chunk_rows"]
+__all__ = ["chunked_linear_ce", "chunked_linear_ce_topk", "candidate_logits", "default_chunk_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -19,14 +19,15 @@ def default_chunk_rows(vocab_size: int) -> int:
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
-    """sum_i scale_i * CE(hidden_i @ weight.T, label_i); the input gradient is formed chunk by chunk in forward.
+    """sum_i scale_i * CE(f(hidden_i @ weight.T), label_i); the input gradient is formed chunk by chunk in forward.
 
     Because weight is frozen and the loss is the only consumer of the logits, the gradient of each chunk is known
     as soon as its softmax is: computing it there costs one more matmul and no recomputation in backward.
+    f is the target's logit transform: x * multiplier, then softcap * tanh(. / softcap) when softcap is set.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, scale, chunk_rows):  # type: ignore[override]
+    def forward(ctx, hidden, weight, labels, scale, chunk_rows, multiplier, softcap, top_k):  # type: ignore[override]
         n = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
         w = weight.to(hidden.dtype)
@@ -34,30 +35,43 @@ class _ChunkedLinearCE(torch.autograd.Function):
         acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax in fp32 at least (fp64 stays exact)
         ce = torch.empty(n, dtype=acc, device=hidden.device)
         pred = torch.empty(n, dtype=torch.long, device=hidden.device)
+        cand = torch.empty(n, top_k, dtype=torch.long, device=hidden.device)
         for s in range(0, n, chunk_rows):
             e = min(n, s + chunk_rows)
             logits = (hidden[s:e] @ w.T).to(acc)
+            if multiplier != 1.0:
+                logits.mul_(multiplier)
+            if softcap is not None:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
             lab = labels[s:e, None]
             lse = torch.logsumexp(logits, dim=-1)
             ce[s:e] = lse - logits.gather(1, lab)[:, 0]
             pred[s:e] = logits.argmax(dim=-1)
+            if top_k:
+                cand[s:e] = torch.topk(logits, top_k, dim=-1).indices  # sorted: the weakest candidate last
             if need_grad:
                 # softmax - onehot, scaled by each row's loss weight, in place to keep one chunk of logits alive.
                 probs = logits.sub_(lse[:, None]).exp_()
                 probs.scatter_add_(1, lab, torch.full_like(lab, -1, dtype=probs.dtype))
                 probs.mul_(scale[s:e, None].to(acc))
+                if softcap is not None:  # d(c tanh(x / c))/dx = 1 - tanh^2
+                    probs.mul_(1.0 - capped * capped)
+                    del capped
+                if multiplier != 1.0:
+                    probs.mul_(multiplier)
                 grad[s:e] = probs.to(hidden.dtype) @ w
             del logits
         loss = (ce * scale.to(acc)).sum()
-        ctx.mark_non_differentiable(ce, pred)
+        ctx.mark_non_differentiable(ce, pred, cand)
         if need_grad:
             ctx.save_for_backward(grad)
-        return loss, ce, pred
+        return loss, ce, pred, cand
 
     @staticmethod
-    def backward(ctx, g_loss, g_ce, g_pred):  # type: ignore[override]
+    def backward(ctx, g_loss, g_ce, g_pred, g_cand):  # type: ignore[override]
         (grad,) = ctx.saved_tensors
-        return grad * g_loss.to(grad.dtype), None, None, None, None
+        return grad * g_loss.to(grad.dtype), None, None, None, None, None, None, None
 
 
 def chunked_linear_ce(
@@ -66,11 +80,67 @@ def chunked_linear_ce(
     labels: torch.Tensor,
     scale: torch.Tensor,
     chunk_rows: int | None = None,
+    *,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return (sum_i scale_i * CE_i, CE_i [N] (fp32 or wider) detached, argmax_i [N]) for logits hidden [N, H] @ weight.T.
 
     weight [V, H] is frozen (no gradient); scale [N] holds each row's loss weight already divided by the batch's
-    weight total. Peak extra memory is one chunk of fp32 logits, never [N x V].
+    weight total. Peak extra memory is one chunk of fp32 logits, never [N x V]. multiplier and softcap transform
+    the logits as the target's config says (unary_logits in model.py); the defaults leave them as they are.
     """
+    loss, ce, pred, _ = chunked_linear_ce_topk(hidden, weight, labels, scale, 0, chunk_rows, multiplier=multiplier,
+                                               softcap=softcap)
+    return loss, ce, pred
+
+
+def chunked_linear_ce_topk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    scale: torch.Tensor,
+    top_k: int,
+    chunk_rows: int | None = None,
+    *,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return `chunked_linear_ce`'s three values and the top_k token ids [N, top_k] of each row's logits (largest
+    first), found in the same pass over the lm_head."""
     rows = chunk_rows or default_chunk_rows(weight.shape[0])
-    return _ChunkedLinearCE.apply(hidden, weight.detach(), labels, scale.detach(), rows)
+    return _ChunkedLinearCE.apply(hidden, weight.detach(), labels, scale.detach(), rows, float(multiplier),
+                                  None if softcap is None else float(softcap), int(top_k))
+
+
+class _CandidateLogits(torch.autograd.Function):
+    """out[i, j] = hidden_i . weight[ids[i, j]]; the gathered weight rows are never saved (recomputed in backward)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, chunk_rows):  # type: ignore[override]
+        w = weight.to(hidden.dtype)
+        out = torch.empty(ids.shape, dtype=hidden.dtype, device=hidden.device)
+        for s in range(0, ids.shape[0], chunk_rows):
+            e = min(ids.shape[0], s + chunk_rows)
+            out[s:e] = torch.bmm(w[ids[s:e]], hidden[s:e, :, None])[..., 0]
+        ctx.save_for_backward(ids)
+        ctx.weight, ctx.dtype, ctx.chunk_rows = w, hidden.dtype, chunk_rows
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (ids,) = ctx.saved_tensors
+        w, rows = ctx.weight, ctx.chunk_rows
+        grad = torch.empty(ids.shape[0], w.shape[1], dtype=ctx.dtype, device=ids.device)
+        for s in range(0, ids.shape[0], rows):
+            e = min(ids.shape[0], s + rows)
+            grad[s:e] = torch.bmm(g[s:e, None, :].to(ctx.dtype), w[ids[s:e]])[:, 0]
+        return grad, None, None, None
+
+
+def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                     chunk_rows: int | None = None) -> torch.Tensor:
+    """Return the raw logits [N, K] of chosen tokens ids [N, K]: hidden [N, H] times those rows of the frozen weight
+    [V, H], differentiable in hidden; memory stays at one chunk of gathered rows (about 1 GiB), in backward too."""
+    rows = chunk_rows or max(1, _CHUNK_BYTES // max(1, ids.shape[1] * weight.shape[1] * 4))
+    return _CandidateLogits.apply(hidden, weight.detach(), ids, rows)

@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 CODECS = ("blosc", "none", "fp8")
+DRAFTERS = ("dflash", "dflash2")
 DTYPES = ("bfloat16", "float32")
 DTYPE_CHOICES = ("auto",) + DTYPES  # auto: numerics.py decides (bf16 on CUDA and on CPUs with native bf16)
 GENERATE_ENGINES = ("auto", "fast", "plain")
@@ -301,6 +302,13 @@ class TrainConfig(StageConfig):
     weight_decay: float = option(0.0, help="AdamW weight decay.")
     clip: float = option(1.0, help="Gradient-norm clip.")
     draft_layers: int = option(5, help="Decoder layers of the drafter.")
+    drafter: str = option("dflash", choices=DRAFTERS,
+                          help="Drafter architecture: dflash (DFlashDraftModel) or dflash2 (DFlash2DraftModel: a "
+                               "grouped dynamic causal convolution around each sublayer and a candidate selector).")
+    conv_kernel_size: int = option(2, help="dflash2: taps of each layer's causal convolution along the block.")
+    conv_group_size: int = option(16, help="dflash2: channels sharing one dynamic tap (must divide the hidden size).")
+    selector_rank: int = option(256, help="dflash2: rank of the candidate selector's predecessor-successor term.")
+    selector_top_k: int = option(16, help="dflash2: candidates per slot the selector rescores (the top-K logits).")
     block_size: int = option(16, help="Block size B: the anchor plus B-1 drafted tokens.")
     anchors: int = option(512, help="Blocks drawn per sample; a batch holds at most --batch-tokens/4 blocks in all.")
     grad_accum: int = option(1, help="Micro-batches per rank per step; the global batch is GPUs x this (slots).")
@@ -344,6 +352,12 @@ class TrainConfig(StageConfig):
         _check(0 <= self.warmup_ratio < 1, f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         _check(self.clip > 0, f"--clip must be > 0, got {self.clip}")
         _check(self.draft_layers >= 1, f"--draft-layers must be >= 1, got {self.draft_layers}")
+        _check(self.drafter in DRAFTERS, f"--drafter {self.drafter!r} is not one of {', '.join(DRAFTERS)}")
+        _check(1 <= self.conv_kernel_size <= self.block_size,
+               f"--conv-kernel-size must be in 1..--block-size ({self.block_size}), got {self.conv_kernel_size}")
+        _check(self.conv_group_size >= 1, f"--conv-group-size must be >= 1, got {self.conv_group_size}")
+        _check(self.selector_rank >= 1, f"--selector-rank must be >= 1, got {self.selector_rank}")
+        _check(self.selector_top_k >= 1, f"--selector-top-k must be >= 1, got {self.selector_top_k}")
         _check(self.block_size >= 2, f"--block-size must be >= 2, got {self.block_size}")
         _check(self.anchors >= 1, f"--anchors must be >= 1, got {self.anchors}")
         _check(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
@@ -490,11 +504,13 @@ class DemoConfig(StageConfig):
         None, help="Prompts the target writes itself and answers, besides the bundled ones (default: the budget's, "
                    "10,000 for gpu, 0 for full).")
     position_weights: str = position_weights_option()
+    drafter: str = option("dflash", choices=DRAFTERS, help="Drafter architecture the demo trains (train's --drafter).")
 
     def __post_init__(self) -> None:
         _check(self.device in ("cpu", "cuda"), f"--device {self.device!r}: use cpu or cuda")
         _check(self.position_weights in POSITION_WEIGHTS,
                f"--position-weights {self.position_weights!r}: use {' or '.join(POSITION_WEIGHTS)}")
+        _check(self.drafter in DRAFTERS, f"--drafter {self.drafter!r} is not one of {', '.join(DRAFTERS)}")
         _check(self.budget in DEMO_BUDGETS, f"--budget {self.budget!r}: use one of {', '.join(DEMO_BUDGETS)}")
         _check(self.self_prompts is None or self.self_prompts >= 0,
                f"--self-prompts must be >= 0, got {self.self_prompts}")

@@ -152,7 +152,7 @@ def extract_config(budget: Budget, target: Path, data: Path, store_dir: Path, gp
 
 def train_config(budget: Budget, store_dir: Path, target: Path, run_dir: Path, gpus: str, **over: Any) -> Any:
     """Return the TrainConfig of the demo's train stage: the budget's drafter, its held-out shards held out
-    (over: fields the demo's options set, --position-weights)."""
+    (over: fields the demo's options set: --drafter, --position-weights)."""
     from .config import TrainConfig
 
     return TrainConfig(**over, store=str(store_dir), target=str(target), out=str(run_dir), gpus=gpus, epochs=1000,
@@ -272,7 +272,8 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         from .train import run as tr
         from .train.metrics import read_metrics
 
-        tr(train_config(budget, store_dir, target, run_dir, gpus, position_weights=cfg.position_weights))
+        tr(train_config(budget, store_dir, target, run_dir, gpus, drafter=cfg.drafter,
+                        position_weights=cfg.position_weights))
         vals = [m for m in read_metrics(run_dir) if m.get("split") == "val"]
         return {"steps": budget.steps, "val_tau_hat": vals[-1]["tau_hat"] if vals else None}
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import InputError
-from .model import DFlashDrafter, draft_logits
+from .model import DFlashDrafter, draft_tokens
 
 __all__ = [
     "Decoded",
@@ -69,7 +69,8 @@ def load_target(path: str | os.PathLike, *, device: torch.device | str = "cpu",
 
 
 def drafter_proposer(drafter: DFlashDrafter, target: Any) -> Proposer:
-    """Return the Proposer that drafts greedily with a DFlash drafter and the target's own embedding and lm_head.
+    """Return the Proposer that drafts greedily with a DFlash drafter and the target's own embedding and lm_head
+    (argmax per slot; a DFlash 2 drafter's candidate selector path, see `draft_tokens`).
 
     The context's projection (fc + hidden_norm, one row per token) is kept between calls and only new rows are
     projected: a decoding's context only grows, so re-projecting all of it for every block is waste (measured on
@@ -95,7 +96,7 @@ def drafter_proposer(drafter: DFlashDrafter, target: Any) -> Proposer:
     @torch.inference_mode()
     def propose(features: torch.Tensor, anchor_id: int, anchor_pos: int) -> torch.Tensor:
         ctx = project(features, min(features.shape[0], int(anchor_pos)))
-        return draft_logits(drafter, ctx, anchor_id, embed, head, anchor_pos, projected=True).argmax(-1)
+        return draft_tokens(drafter, ctx, anchor_id, embed, head, anchor_pos, projected=True)
 
     return propose
 

@@ -1,9 +1,13 @@
 """The folder format of a drafter: its weights and config files, the Hugging Face export, and loading either.
 
-    DRAFTER/model.safetensors      the drafter's tensors under their bare names (layers.*, fc, hidden_norm, norm)
+    DRAFTER/model.safetensors      the drafter's tensors under their bare names (layers.*, fc, hidden_norm, norm;
+                                   DFlash 2 also layers.N.{attention,mlp}_conv.*, candidate_selector.*)
     DRAFTER/drafter_config.json    DrafterConfig.to_dict(): a checkpoint's step folder holds these two
     EXPORT/config.json             the Qwen3 fields plus what DFlash inference reads (written last: a folder with
                                    it is a finished export), beside model.safetensors in bf16
+An export is checked against the tensors the serving engines load (`serving_tensors`, the names and shapes of
+z-lab's DFlashDraftModel / DFlash2DraftModel): SGLang skips a tensor it does not know without a word, so a folder
+that would load only partly is never written.
 Which folder of a run holds a drafter is the checkpointer's business (`dflash.train.checkpoint`); this module
 knows only what is inside one.
 """
@@ -18,7 +22,7 @@ from typing import Any
 import torch
 
 from ..atomic import write_atomic
-from ..errors import InputError
+from ..errors import DflashError, InputError
 from .model import DFlashDrafter, DrafterConfig
 
 __all__ = [
@@ -32,6 +36,8 @@ __all__ = [
     "save_drafter_files",
     "export_config",
     "config_from_export",
+    "serving_tensors",
+    "check_serving_tensors",
     "write_export",
     "load_drafter",
 ]
@@ -62,11 +68,18 @@ def export_config(cfg: DrafterConfig) -> dict[str, Any]:
     out = cfg.qwen3_config().to_dict()
     for key in ("transformers_version", "_name_or_path", "id2label", "label2id"):
         out.pop(key, None)
+    dflash: dict[str, Any] = {"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id}
+    if cfg.drafter == "dflash2":  # the keys of z-lab's DFlash 2 config (block_size lives here too)
+        dflash.update(block_size=cfg.block_size, conv_kernel_size=cfg.conv_kernel_size,
+                      conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
+                      selector_top_k=cfg.selector_top_k)
+    # The target's logit and embedding scales, where the reference's compute_logits and generate loop read them.
+    dflash.update({k: v for k, v in cfg.to_dict().items() if k in _SCALE_KEYS})
     out.update(
-        architectures=["DFlashDraftModel"],
+        architectures=["DFlash2DraftModel" if cfg.drafter == "dflash2" else "DFlashDraftModel"],
         block_size=cfg.block_size,
         num_target_layers=cfg.num_target_layers,
-        dflash_config={"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id},
+        dflash_config=dflash,
         layer_types=list(cfg.layer_types),
         sliding_window=cfg.sliding_window,
         # The block is bidirectional in every layer, sliding ones too; the reference makes sliding layers causal
@@ -78,23 +91,74 @@ def export_config(cfg: DrafterConfig) -> dict[str, Any]:
     return out
 
 
+_SCALE_KEYS = ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
+_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 def config_from_export(data: dict[str, Any]) -> DrafterConfig:
-    """Return the DrafterConfig of an exported config.json."""
+    """Return the DrafterConfig of an exported config.json (DFlashDraftModel or DFlash2DraftModel)."""
     try:
         dflash = data["dflash_config"]
         rope = data.get("rope_parameters") or {"rope_type": "default", "rope_theta": data.get("rope_theta", 1e4)}
+        two = "DFlash2DraftModel" in (data.get("architectures") or ())
+        extra: dict[str, Any] = {k: dflash.get(k, data.get(k)) for k in _SCALE_KEYS
+                                 if dflash.get(k, data.get(k)) is not None}
+        if two:
+            extra.update(drafter="dflash2", **{k: dflash[k] for k in _DFLASH2_KEYS})
         return DrafterConfig(
             hidden_size=data["hidden_size"], intermediate_size=data["intermediate_size"],
             num_hidden_layers=data["num_hidden_layers"], num_attention_heads=data["num_attention_heads"],
             num_key_value_heads=data["num_key_value_heads"], head_dim=data["head_dim"], vocab_size=data["vocab_size"],
             rms_norm_eps=data["rms_norm_eps"], rope_parameters=dict(rope),
             max_position_embeddings=data["max_position_embeddings"], hidden_act=data.get("hidden_act", "silu"),
-            block_size=data["block_size"], target_layer_ids=tuple(dflash["target_layer_ids"]),
+            block_size=dflash.get("block_size", data.get("block_size", 16)),
+            target_layer_ids=tuple(dflash["target_layer_ids"]),
             num_target_layers=data["num_target_layers"], mask_token_id=dflash["mask_token_id"],
-            layer_types=tuple(data.get("layer_types") or ()), sliding_window=data.get("sliding_window"),
+            layer_types=tuple(data.get("layer_types") or ()), sliding_window=data.get("sliding_window"), **extra,
         )
     except KeyError as e:
         raise InputError(f"exported config.json has no {e}; re-export with `dflash export`") from None
+
+
+def serving_tensors(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Return {name: shape} of the tensors the serving engines load for this drafter, written out from the engines'
+    contract (z-lab's DFlashDraftModel / DFlash2DraftModel and their released checkpoints), not from our model."""
+    H, I, V, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    out: dict[str, tuple[int, ...]] = {"fc.weight": (H, len(cfg.target_layer_ids) * H), "hidden_norm.weight": (H,),
+                                       "norm.weight": (H,)}
+    for i in range(cfg.num_hidden_layers):
+        layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+                 "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+                 "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
+                 "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+                 "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)}
+        if cfg.drafter == "dflash2":
+            k, groups = cfg.conv_kernel_size, H // cfg.conv_group_size
+            for conv in ("attention_conv", "mlp_conv"):
+                layer[f"{conv}.base_kernel"] = (2, k, H)
+                layer[f"{conv}.kernel_projection.weight"] = (2 * k * groups, H)
+        out.update({f"layers.{i}.{name}": shape for name, shape in layer.items()})
+    if cfg.drafter == "dflash2":
+        r = cfg.selector_rank  # the codebooks are bare tensors: no `.weight`
+        out.update({"candidate_selector.hidden_projection.weight": (r, H),
+                    "candidate_selector.predecessor_codebook": (V, r),
+                    "candidate_selector.successor_codebook": (V, r)})
+    return out
+
+
+def check_serving_tensors(weights: dict[str, torch.Tensor], cfg: DrafterConfig, where: str) -> None:
+    """Raise DflashError (one line) unless weights hold exactly the tensors and shapes `serving_tensors` names."""
+    want = serving_tensors(cfg)
+    missing, extra = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
+    bad = sorted(n for n in set(want) & set(weights) if tuple(weights[n].shape) != want[n])
+    if missing or extra or bad:
+        shapes = [f"{n} {tuple(weights[n].shape)} (expected {want[n]})" for n in bad[:3]]
+        raise DflashError(
+            f"{where}: the drafter's tensors are not the {len(want)} an engine loads for "
+            f"{export_config(cfg)['architectures'][0]} (missing {missing[:3]}, unknown {extra[:3]}, wrong shape "
+            f"{shapes}); engines would serve it partly random, so nothing was exported; report this as a dflash bug"
+        )
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -161,8 +225,7 @@ def save_drafter_files(model: torch.nn.Module, folder: str | os.PathLike) -> Pat
 def write_export(src: str | os.PathLike, out: str | os.PathLike, *, remote_code: bool = False) -> Path:
     """Write the drafter of folder `src` (drafter files) as an HF folder at out; return out.
 
-    out gets model.safetensors (bf16; exactly layers.*, fc.weight, hidden_norm.weight, norm.weight) and, written
-    last, config.json. With remote_code, also modeling_dflash.py and an auto_map for trust_remote_code loading.
+    out gets model.safetensors (bf16; exactly the tensors of `serving_tensors`) and, written last, config.json. With remote_code, also modeling_dflash.py and an auto_map for trust_remote_code loading.
     """
     from safetensors.torch import save
 
@@ -170,6 +233,10 @@ def write_export(src: str | os.PathLike, out: str | os.PathLike, *, remote_code:
     cfg = DrafterConfig.from_dict(read_json(src / DRAFTER_CONFIG))
     sd = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(_state_dict(src, cfg).items())}
     out = Path(out)
+    check_serving_tensors(sd, cfg, f"--out {out}")
+    if remote_code and cfg.drafter != "dflash":
+        raise InputError(f"--remote-code writes DFlash 1's modeling file, but {src} is a {cfg.drafter} drafter; "
+                         "export without --remote-code (z-lab's dflash package, SGLang and vLLM load DFlash 2)")
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out}: exists and is not a folder; pass a new folder path")
     out.mkdir(parents=True, exist_ok=True)

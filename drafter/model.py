@@ -1,8 +1,9 @@
 """The DFlash drafter: Qwen3 decoder layers whose queries come from a block and keys/values from [context ; block].
 
-Parameter names are exactly the exported ones (`layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`), so a
-checkpoint's state dict is the export. The target's embedding and lm_head are not parameters here: the caller
-passes them (frozen) to the objective or to `draft_logits`.
+Parameter names are exactly the exported ones (`layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`; DFlash 2
+adds `layers.N.attention_conv.*`, `layers.N.mlp_conv.*` and `candidate_selector.*`), so a checkpoint's state dict is
+the export. The target's embedding and lm_head are not parameters here: the caller passes them (frozen) to the
+objective or to `draft_logits` / `draft_tokens`.
 """
 from __future__ import annotations
 
@@ -21,8 +22,18 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedd
 
 from ..errors import ConfigError, InputError
 from ..facts import NUM_FEATURE_LAYERS
+from .conv import GroupedDynamicCausalConv
+from .selector import CandidateSelector
 
-__all__ = ["DrafterConfig", "DFlashDrafter", "Attend", "layer_types_for", "apply_rope", "expand_kv", "draft_logits"]
+__all__ = ["DrafterConfig", "DFlashDrafter", "Attend", "layer_types_for", "apply_rope", "expand_kv", "draft_logits",
+           "draft_tokens", "block_embeddings", "unary_logits", "DRAFTERS"]
+
+DRAFTERS = ("dflash", "dflash2")
+# Fields a DFlash 1 drafter does not have: left out of its to_dict, so its files and run records stay as they were.
+_DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# Target config keys that change the drafter's logits or inputs (read as the reference inference code reads them),
+# and their identity values, also left out of to_dict.
+_TARGET_SCALES = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +69,14 @@ class DrafterConfig:
     mask_token_id: int = 0
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    drafter: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -81,6 +100,26 @@ class DrafterConfig:
                 f"mask token id {self.mask_token_id} is outside the target vocabulary 0..{self.vocab_size - 1}; "
                 "rerun `dflash extract` with --mask-token-id"
             )
+        if self.drafter not in DRAFTERS:
+            raise ConfigError(f"drafter {self.drafter!r} is not one of {', '.join(DRAFTERS)}; pass --drafter")
+        if self.drafter == "dflash2":
+            checks = [
+                (self.conv_group_size >= 1 and self.hidden_size % self.conv_group_size == 0,
+                 f"--conv-group-size {self.conv_group_size} must divide the hidden size {self.hidden_size}"),
+                (1 <= self.conv_kernel_size <= self.block_size,
+                 f"--conv-kernel-size {self.conv_kernel_size} must be in 1..block size {self.block_size}"),
+                (self.selector_rank >= 1, f"--selector-rank must be >= 1, got {self.selector_rank}"),
+                (1 <= self.selector_top_k <= self.vocab_size,
+                 f"--selector-top-k {self.selector_top_k} must be in 1..vocab size {self.vocab_size}"),
+            ]
+            for ok, message in checks:
+                if not ok:
+                    raise ConfigError(message)
+        # Top-K of the transformed logits must be the top-K of the raw ones (the loss finds them on the raw side).
+        if not self.output_multiplier > 0:
+            raise ConfigError(f"target output_multiplier must be > 0, got {self.output_multiplier}")
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
+            raise ConfigError(f"target final_logit_softcapping must be > 0, got {self.final_logit_softcapping}")
 
     @classmethod
     def from_target(
@@ -93,10 +132,16 @@ class DrafterConfig:
         block_size: int = 16,
         sliding_window: int | None = None,
         full_every: int | None = None,
+        drafter: str = "dflash",
+        **dflash2: int,
     ) -> "DrafterConfig":
-        """Return the drafter config derived from a target folder (or its config.json mapping) and DFlash options."""
+        """Return the drafter config derived from a target folder (or its config.json mapping) and DFlash options.
+
+        dflash2: conv_kernel_size, conv_group_size, selector_rank, selector_top_k (for drafter "dflash2").
+        """
         cfg = _read_target_config(target) if not isinstance(target, dict) else target
         cfg = cfg.get("text_config", cfg)  # multimodal targets keep the language model's fields nested
+        scales = {k: cfg[k] for k in _TARGET_SCALES if cfg.get(k) is not None}
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -123,14 +168,21 @@ class DrafterConfig:
                 mask_token_id=mask_token_id,
                 layer_types=tuple(layer_types_for(draft_layers, sliding_window, full_every)),
                 sliding_window=sliding_window if full_every else None,
+                drafter=drafter,
+                **(dflash2 if drafter == "dflash2" else {}),
+                **scales,
             )
         except KeyError as e:
             raise InputError(f"target config {target if not isinstance(target, dict) else '<dict>'} has no {e}; "
                              "expected a Hugging Face decoder config.json") from None
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the config as JSON-able values."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """Return the config as JSON-able values (a DFlash 1 drafter's without the fields it does not use)."""
+        out = json.loads(json.dumps(dataclasses.asdict(self)))
+        drop = [k for k, v in _TARGET_SCALES.items() if out[k] == v]
+        if self.drafter == "dflash":
+            drop += ["drafter", *_DFLASH2_FIELDS]
+        return {k: v for k, v in out.items() if k not in drop}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DrafterConfig":
@@ -259,14 +311,48 @@ class DrafterLayer(nn.Module):
         self.post = torch.compile(self.post, dynamic=None)
 
 
+class DFlash2Layer(DrafterLayer):
+    """A DFlash 2 layer: the same sublayers, each wrapped in a grouped dynamic causal convolution (conv.py)."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__(cfg)
+        args = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
+        self.attention_conv = GroupedDynamicCausalConv(*args)
+        self.mlp_conv = GroupedDynamicCausalConv(*args)
+
+    def pre(self, x: torch.Tensor, ctx: torch.Tensor, cos_x: torch.Tensor, sin_x: torch.Tensor,
+            cos_c: torch.Tensor, sin_c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Return q, k, v of the layer's attention over the filtered normed block, and the output-side taps."""
+        h, taps = self.attention_conv.prepare(self.input_layernorm(x))
+        return (*self.self_attn.project(h, ctx, cos_x, sin_x, cos_c, sin_c), taps)
+
+    def post(self, x: torch.Tensor, attn: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Return the layer's output from its input x [Q, H], the attention result and the attention side's taps."""
+        a = self.self_attn.o_proj(attn[0].transpose(0, 1).reshape(x.shape[0], -1))
+        x = x + self.attention_conv.finish(a, taps)
+        h, taps = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), taps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_x: tuple, rope_ctx: tuple, attend: Attend,
+                index: int) -> torch.Tensor:
+        """Return the layer's output for block tokens x [Q, H] (whole blocks) attending to [ctx ; x]."""
+        q, k, v, taps = self.pre(x, ctx, *rope_x, *rope_ctx)
+        return self.post(x, attend(index, q, k, v), taps)
+
+
 class DFlashDrafter(nn.Module):
-    """The drafter: `fc` + `hidden_norm` over target features, decoder layers over the block, final `norm`."""
+    """The drafter: `fc` + `hidden_norm` over target features, decoder layers over the block, final `norm`; a DFlash 2
+    drafter (config.drafter "dflash2") has DFlash2Layer layers and a `candidate_selector`."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.config = cfg
         n_feat = len(cfg.target_layer_ids) or NUM_FEATURE_LAYERS
-        self.layers = nn.ModuleList([DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        layer = DFlash2Layer if cfg.drafter == "dflash2" else DrafterLayer
+        self.layers = nn.ModuleList([layer(cfg) for _ in range(cfg.num_hidden_layers)])
+        if cfg.drafter == "dflash2":
+            self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
+                                                        cfg.selector_top_k)
         self.fc = nn.Linear(n_feat * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
@@ -285,6 +371,11 @@ class DFlashDrafter(nn.Module):
                 m.weight.normal_(0.0, std)
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
+        for m in self.modules():  # DFlash 2's parts start as the identity and as argmax (see their own init)
+            if isinstance(m, GroupedDynamicCausalConv):
+                m.reset_parameters()
+            elif isinstance(m, CandidateSelector):
+                m.reset_parameters(std)
 
     def _rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self._inv_freq.to(positions.device)[None]
@@ -341,24 +432,27 @@ def _sdpa_attend(masks: list[torch.Tensor | None]) -> Attend:
     return attend
 
 
-@torch.no_grad()
-def draft_logits(
-    model: DFlashDrafter,
-    context_features: torch.Tensor,
-    anchor_id: int,
-    embed_weight: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    anchor_pos: int | None = None,
-    *,
-    projected: bool = False,
-) -> torch.Tensor:
-    """Return the draft logits [B-1, V] of one block, computed the way inference does.
+def block_embeddings(cfg: DrafterConfig, ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
+    """Return the drafter's input embeddings of block token ids: the target's rows, times the target's
+    input_embedding_scale when it has one (as the reference inference code scales them)."""
+    e = F.embedding(ids, embed_weight)
+    return e if cfg.input_embedding_scale == 1.0 else e * cfg.input_embedding_scale
 
-    context_features [S, n*H] (or [S, n, H]) are the target features of the accepted tokens at positions 0..S-1,
-    or with projected=True their `model.project_context` [S, H]; the block is the anchor token (the last accepted
-    one, at position `anchor_pos`, default S) then B-1 mask tokens. Only context positions < anchor_pos are used.
-    No packing, no block mask: one block alone.
-    """
+
+def unary_logits(cfg: DrafterConfig, logits: torch.Tensor) -> torch.Tensor:
+    """Return the drafter's logits from raw lm_head logits: times the target's output_multiplier, then its
+    final_logit_softcapping (c * tanh(x / c)), each only when the target has it (the reference's compute_logits)."""
+    if cfg.output_multiplier != 1.0:
+        logits = logits * cfg.output_multiplier
+    if cfg.final_logit_softcapping is not None:
+        c = float(cfg.final_logit_softcapping)
+        logits = torch.tanh(logits / c) * c
+    return logits
+
+
+def _draft_hidden(model: DFlashDrafter, context_features: torch.Tensor, anchor_id: int, embed_weight: torch.Tensor,
+                  anchor_pos: int | None, projected: bool) -> torch.Tensor:
+    """Return the final-normed hidden states [B, H] of one block (anchor, then B-1 mask tokens), alone."""
     cfg = model.config
     S = context_features.shape[0]
     anchor_pos = S if anchor_pos is None else int(anchor_pos)
@@ -378,5 +472,52 @@ def draft_logits(
             masks.append((dist.abs() < cfg.sliding_window)[None, None])
         else:
             masks.append(None)
-    hidden = model(ctx, ctx_pos, F.embedding(ids, embed_weight), block_pos, _sdpa_attend(masks), projected=projected)
-    return (hidden[1:] @ lm_head_weight.to(hidden.dtype).T).to(torch.promote_types(hidden.dtype, torch.float32))
+    embeds = block_embeddings(cfg, ids, embed_weight)
+    return model(ctx, ctx_pos, embeds, block_pos, _sdpa_attend(masks), projected=projected)
+
+
+def _logits(model: DFlashDrafter, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    raw = (hidden @ lm_head_weight.to(hidden.dtype).T).to(torch.promote_types(hidden.dtype, torch.float32))
+    return unary_logits(model.config, raw)
+
+
+@torch.no_grad()
+def draft_logits(
+    model: DFlashDrafter,
+    context_features: torch.Tensor,
+    anchor_id: int,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    anchor_pos: int | None = None,
+    *,
+    projected: bool = False,
+) -> torch.Tensor:
+    """Return the draft logits [B-1, V] of one block, computed the way inference does.
+
+    context_features [S, n*H] (or [S, n, H]) are the target features of the accepted tokens at positions 0..S-1,
+    or with projected=True their `model.project_context` [S, H]; the block is the anchor token (the last accepted
+    one, at position `anchor_pos`, default S) then B-1 mask tokens. Only context positions < anchor_pos are used.
+    No packing, no block mask: one block alone.
+    """
+    hidden = _draft_hidden(model, context_features, anchor_id, embed_weight, anchor_pos, projected)
+    return _logits(model, hidden[1:], lm_head_weight)
+
+
+@torch.no_grad()
+def draft_tokens(
+    model: DFlashDrafter,
+    context_features: torch.Tensor,
+    anchor_id: int,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    anchor_pos: int | None = None,
+    *,
+    projected: bool = False,
+) -> torch.Tensor:
+    """Return the greedy draft tokens [B-1] of one block (arguments as `draft_logits`): the argmax of each slot's
+    logits, or for a DFlash 2 drafter the candidate selector's path through the slots' top-K."""
+    hidden = _draft_hidden(model, context_features, anchor_id, embed_weight, anchor_pos, projected)[1:]
+    logits = _logits(model, hidden, lm_head_weight)
+    if model.config.drafter == "dflash2":
+        return model.candidate_selector.path(hidden, logits, anchor_id)
+    return logits.argmax(-1)

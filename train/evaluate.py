@@ -66,6 +66,7 @@ def evaluate_shards(
     counts = torch.zeros(B - 1, dtype=torch.float64)
     streak_hist = torch.zeros(B, dtype=torch.float64)  # blocks with streak exactly s, s = 0..B-1
     ce, wsum, tokens, skipped = 0.0, 0.0, 0, []
+    sums: list[Any] = []  # each batch's Metrics, for a DFlash 2 drafter's selector terms
     was_training = model.training
     model.eval()
 
@@ -83,6 +84,8 @@ def evaluate_shards(
         streak = torch.cumprod(hit, dim=1).sum(1).long()
         streak_hist.add_(torch.bincount(streak, minlength=B).double())
         ce, wsum = ce + c, wsum + w
+        if p.selector is not None:
+            sums.append(p.metrics())
 
     with torch.no_grad():
         k = 0
@@ -112,7 +115,9 @@ def evaluate_shards(
     model.train(was_training)
     blocks = float(streak_hist.sum())
     at_least = streak_hist.flip(0).cumsum(0).flip(0)  # blocks with streak >= s
+    selector = sum(sums[1:], sums[0]).selector_dict() if sums else {}
     return {
+        **selector,
         "loss": ce / wsum if wsum else float("nan"),
         "loss_weights": "decay",
         "acc": float(hits.sum() / counts.sum()) if counts.sum() else float("nan"),

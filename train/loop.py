@@ -405,6 +405,7 @@ class Trainer:
                 "data_wait": wait / dist.world / max(elapsed, 1e-9),
                 "prefetch_depth": self.stream.depth() if self.stream is not None else 0,
                 "eta_s": rate * max(0, self.learner.total - self.step), "blocks": m.blocks,
+                **m.selector_dict(),  # DFlash 2's loss terms and selector metrics; none for DFlash 1
             })
         self.schedule(elapsed / max(1, win.steps))
         self.window = Window(time.perf_counter())

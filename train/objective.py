@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
-from torch.nn import functional as F
 
 from ..errors import InputError
 from ..facts import decay_gamma
 from ..drafter.batch import PackedBatch
-from ..drafter.linear_ce import chunked_linear_ce, chunked_linear_ce_rows
+from ..drafter.linear_ce import chunked_linear_ce_rows, chunked_linear_ce_topk
+from ..drafter.model import block_embeddings
+from .selector_loss import selector_loss
 
 __all__ = [
     "sample_anchors",
@@ -213,6 +214,13 @@ class Metrics:
     streak_sum: int
     blocks: int
     slot_weight: list[float] | None = None
+    # DFlash 2's candidate selector (train/selector_loss.py): sum of w * CE_sel, its serving picks right, gold in the
+    # top-K, slots it scored (0 for a DFlash 1 drafter), and the streaks of its picks.
+    selector_ce_sum: float = 0.0
+    selector_correct: int = 0
+    selector_covered: int = 0
+    selector_count: int = 0
+    selector_streak_sum: int = 0
 
     @property
     def loss(self) -> float:
@@ -239,16 +247,18 @@ class Metrics:
         """Return every sum as one float64 vector (for torch.distributed.all_reduce)."""
         weights = self.slot_weight or [0.0] * len(self.slot_count)
         vals = [self.ce_sum, self.weight_sum, self.streak_sum, self.blocks, *self.slot_correct, *self.slot_count,
-                *weights]
+                *weights, self.selector_ce_sum, self.selector_correct, self.selector_covered, self.selector_count,
+                self.selector_streak_sum]
         return torch.tensor(vals, dtype=torch.float64, device=device)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "Metrics":
         """Return the Metrics of a vector made by to_tensor (possibly summed across ranks)."""
         v = t.double().cpu().tolist()
-        n = (len(v) - 4) // 3
+        n = (len(v) - 9) // 3
+        sel = v[4 + 3 * n:]
         return cls(v[0], v[1], [round(x) for x in v[4:4 + n]], [round(x) for x in v[4 + n:4 + 2 * n]], round(v[2]),
-                   round(v[3]), v[4 + 2 * n:])
+                   round(v[3]), v[4 + 2 * n:4 + 3 * n], sel[0], *(round(x) for x in sel[1:]))
 
     def __add__(self, other: "Metrics") -> "Metrics":
         return Metrics.from_tensor(self.to_tensor() + other.to_tensor())
@@ -256,7 +266,19 @@ class Metrics:
     def as_dict(self) -> dict[str, Any]:
         """Return the rates and counts as JSON-able values for metrics.jsonl."""
         return {"loss": self.loss, "tau_hat": self.tau_hat, "slot_accuracy": self.slot_accuracy,
-                "blocks": self.blocks, "counted_slots": int(sum(self.slot_count))}
+                "blocks": self.blocks, "counted_slots": int(sum(self.slot_count)), **self.selector_dict()}
+
+    def selector_dict(self) -> dict[str, Any]:
+        """Return DFlash 2's terms (none for a DFlash 1 drafter): loss_block (= loss, the drafter's own CE),
+        loss_selector (its weighted CE; the objective is their sum), the selector's accuracy and tau_hat from its
+        serving picks, and topk_recall (gold token among the top-K)."""
+        if not self.selector_count:
+            return {}
+        n = self.selector_count
+        return {"loss_block": self.loss,
+                "loss_selector": self.selector_ce_sum / self.weight_sum if self.weight_sum else 0.0,
+                "selector_acc": self.selector_correct / n, "topk_recall": self.selector_covered / n,
+                "selector_tau_hat": 1.0 + (self.selector_streak_sum / self.blocks if self.blocks else 0.0)}
 
 
 def block_metrics(correct: torch.Tensor, counted: torch.Tensor) -> tuple[list[int], list[int], int]:
@@ -285,13 +307,14 @@ class Prediction:
     ce_sum: float
     weight_sum: float
     slot_weight: list[float]
+    selector: dict[str, Any] | None = None  # DFlash 2: selector_loss's sums (see Metrics)
 
     def metrics(self) -> Metrics:
         """Return the batch's Metrics (sums and counts that add across steps and ranks)."""
         slot_correct, slot_count, streak = block_metrics(self.correct, self.counted)
         return Metrics(ce_sum=self.ce_sum, weight_sum=self.weight_sum, slot_correct=slot_correct,
                        slot_count=slot_count, streak_sum=streak, blocks=self.correct.shape[0],
-                       slot_weight=self.slot_weight)
+                       slot_weight=self.slot_weight, **(self.selector or {}))
 
 
 def predict(
@@ -321,17 +344,20 @@ def predict(
         raise InputError(f"batch has blocks of {B} slots but the drafter was built for {cfg.block_size}")
     attend = make_attend(batch, cfg, attention, capacity)
     block_pos = batch.block_pos.reshape(-1)
-    embeds = F.embedding(batch.block_ids.reshape(-1), embed_weight.detach())
+    embeds = block_embeddings(cfg, batch.block_ids.reshape(-1), embed_weight.detach())
     hidden = model(batch.features, batch.ctx_pos, embeds, block_pos, attend)  # [A*B, H]
     w = batch.weights[:, 1:]
     counted = w > 0
     rows = torch.nonzero(counted.reshape(-1), as_tuple=False)[:, 0]
     h = hidden.view(-1, B, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1]).index_select(0, rows)
     labels = batch.labels[:, 1:].reshape(-1).index_select(0, rows)
+    logit_scales = dict(multiplier=cfg.output_multiplier, softcap=cfg.final_logit_softcapping)
+    top_k = cfg.selector_top_k if cfg.drafter == "dflash2" else 0
     if position_weights == "dpace":
-        ce, pred = chunked_linear_ce_rows(h, lm_head_weight, labels, chunk_rows)
+        ce, pred, top = chunked_linear_ce_rows(h, lm_head_weight, labels, chunk_rows, top_k=top_k, **logit_scales)
         grid = torch.zeros(counted.numel(), dtype=ce.dtype, device=ce.device)
         grid[rows] = ce.detach()
+        # From the block CE alone: a selector top-K miss never moves a later position's weight.
         row_w = dpace_weights(grid.view_as(counted), counted, dpace_alpha).reshape(-1).index_select(0, rows)
         denominator = torch.tensor(loss_denominator(batch.weights, "dpace"), dtype=ce.dtype, device=ce.device)
         loss = (ce * row_w).sum() / denominator.clamp(min=1e-12)
@@ -339,7 +365,15 @@ def predict(
         row_w = w.reshape(-1).index_select(0, rows)
         denominator = w.sum()
         scale = row_w / denominator.clamp(min=1e-12)
-        loss, ce, pred = chunked_linear_ce(h, lm_head_weight, labels, scale, chunk_rows)
+        loss, ce, pred, top = chunked_linear_ce_topk(h, lm_head_weight, labels, scale, top_k, chunk_rows,
+                                                     **logit_scales)
+    selector = None
+    if cfg.drafter == "dflash2":
+        scale = row_w.detach() / denominator.clamp(min=1e-12)  # the block loss's own position weights
+        prev = batch.labels[:, :-1].reshape(-1).index_select(0, rows)  # teacher forcing: the gold previous token
+        sel = selector_loss(_inner(model).candidate_selector, cfg, h, lm_head_weight, top, labels, prev, scale)
+        loss = loss + sel.loss
+        selector = _selector_sums(sel, row_w.detach(), rows, counted)
     if rows.numel() == 0:
         loss = hidden.sum() * 0.0  # keeps the graph (DDP needs every parameter used) with a zero gradient
     correct = torch.zeros_like(counted).reshape(-1)
@@ -348,7 +382,23 @@ def predict(
     slot_w[rows] = row_w.detach().double()
     return Prediction(loss=loss, correct=correct.view_as(counted), counted=counted,
                       ce_sum=float((ce.detach() * row_w).sum()), weight_sum=float(denominator),
-                      slot_weight=slot_w.view_as(counted).sum(0).tolist())
+                      slot_weight=slot_w.view_as(counted).sum(0).tolist(), selector=selector)
+
+
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    """Return the drafter inside a DDP or compiled wrapper."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or getattr(model, "_orig_mod")
+    return model
+
+
+def _selector_sums(sel: Any, row_w: torch.Tensor, rows: torch.Tensor, counted: torch.Tensor) -> dict[str, Any]:
+    """Return the Metrics fields of a batch's SelectorTerms (counted slots `rows` of the [A, B-1] layout)."""
+    picks = torch.zeros_like(counted).reshape(-1)
+    picks[rows] = sel.correct
+    _, _, streak = block_metrics(picks.view_as(counted), counted)
+    return dict(selector_ce_sum=float((sel.ce * row_w).sum()), selector_correct=int(sel.correct.sum()),
+                selector_covered=int(sel.covered.sum()), selector_count=int(rows.numel()), selector_streak_sum=streak)
 
 
 def drafter_loss(model: torch.nn.Module, batch: PackedBatch, embed_weight: torch.Tensor,

@@ -68,7 +68,8 @@ def drafter_config(cfg: "TrainConfig", store: "Store") -> "DrafterConfig":
     dcfg = DrafterConfig.from_target(
         cfg.target, target_layer_ids=header["layer_ids"], mask_token_id=int(header["mask_token_id"]),
         draft_layers=cfg.draft_layers, block_size=cfg.block_size, sliding_window=cfg.sliding_window,
-        full_every=cfg.full_every,
+        full_every=cfg.full_every, drafter=cfg.drafter, conv_kernel_size=cfg.conv_kernel_size,
+        conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k,
     )
     check_compatible(dcfg, header, f"built from --target {cfg.target}", cfg.store)
     layers = (header.get("target") or {}).get("num_layers")

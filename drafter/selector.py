@@ -1,0 +1,56 @@
+"""DFlash 2's candidate selector: the drafter's top-K tokens of each slot rescored with a predecessor term, chosen
+along the block left to right.
+
+score(slot i, candidate c | predecessor p) = unary_i(c) + <P[p] * (W h_i), S[c]>, with unary_i the drafter's own
+(transformed) logits, h_i the slot's final hidden state, W = `hidden_projection` [r, H], P = `predecessor_codebook`
+and S = `successor_codebook` [V, r] (bare parameters: exported without `.weight`). The predecessor of slot 1 is the
+anchor; of a later slot, the token chosen at the slot before it (in training: the gold previous token).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["CandidateSelector"]
+
+
+class CandidateSelector(nn.Module):
+    """The low-rank predecessor-successor scorer over each slot's top-K candidates."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Initialise as SpecForge's DFlash 2 trainer does: successor codebook 0, so a fresh selector picks exactly
+        the drafter's argmax (the pair term is 0) and learns from there; predecessor codebook N(0, std)."""
+        self.predecessor_codebook.normal_(0.0, std)
+        self.successor_codebook.zero_()
+        self.hidden_projection.weight.normal_(0.0, std)
+
+    def scores(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
+               predecessors: torch.Tensor) -> torch.Tensor:
+        """Return the scores [N, K] (fp32 or wider) of candidates [N, K] given slot states hidden [N, H], their unary
+        logits [N, K] and each slot's predecessor token [N]."""
+        state = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden)  # [N, r]
+        pair = torch.einsum("nr,nkr->nk", state, self.successor_codebook[candidates].to(state.dtype))
+        acc = torch.promote_types(unary.dtype, torch.float32)
+        return unary.to(acc) + pair.to(acc)
+
+    @torch.no_grad()
+    def path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int) -> torch.Tensor:
+        """Return the greedy path [S] through one block's slots: hidden [S, H] and unary logits [S, V] of slots
+        1..S, each slot's pick conditioned on the pick before it (the anchor before slot 1)."""
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1)
+        predecessor = torch.tensor([int(anchor_id)], device=logits.device)
+        path = []
+        for i in range(hidden.shape[0]):
+            s = self.scores(hidden[i:i + 1], unary[i:i + 1], candidates[i:i + 1], predecessor)
+            predecessor = candidates[i:i + 1].gather(1, s.argmax(-1, keepdim=True))[:, 0]
+            path.append(predecessor)
+        return torch.cat(path)

@@ -109,7 +109,7 @@ class _State:
             saved = json.loads(self.path.read_text(encoding="utf-8"))
             # What decides the data and the training; a rerun resumes only the same (an option the saved run
             # predates had its default then).
-            for name in ("budget", "self_prompts", "position_weights"):
+            for name in ("budget", "self_prompts", "position_weights", "drafter"):
                 was = saved.get("config", {}).get(name, type(cfg).__dataclass_fields__[name].default)
                 now = getattr(cfg, name)
                 if was != now:
@@ -332,7 +332,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         "store_bytes": ext_r["bytes"],
         "training_seconds": tr_r["seconds"],
         "training_steps": tr_r["steps"],
-        "drafter": f"{budget.draft_layers} layers, block {budget.block_size}",
+        "drafter": f"{cfg.drafter}, {budget.draft_layers} layers, block {budget.block_size}",
         "tokens_trained_on": ev_r.get("tokens_trained_on"),
         "held_out_prompts": (ev_r["held_out_samples"] // rows_per_prompt) if "held_out_samples" in ev_r else None,
         "tau_hat": round(ev_r["tau_hat"], 3),
@@ -412,14 +412,14 @@ def format_table(t: dict[str, Any]) -> str:
     same = t.get("tau_hat_decoded_same_anchors")
     own = f", {t['self_written_prompts']:,} of them written by the target" if t.get("self_written_prompts") else ""
     dtype = f", answers in {t['answers_dtype']}" if t.get("answers_dtype") else ""
-    weights = f", {t['position_weights']} position weights" if t.get("position_weights", "decay") != "decay" else ""
+    weights = f", {t['position_weights']} position weights" if t.get("position_weights") else ""
     rows = [
         ("target", f"{t['target']} on {t['device']}"),
         ("tokens extracted", f"{t['tokens_extracted']:,} ({t['prompts_answered']} prompts answered{own}{held}"
                              f"{dtype})"),
         ("store size", f"{t['store_bytes'] / 1e6:.1f} MB"),
         ("training time", f"{t['training_seconds']:.0f} s ({t['training_steps']} steps, drafter {t['drafter']}"
-                          f"{trained}{weights})"),
+                          f"{weights}{trained})"),
         ("tau_hat (held-out, teacher-forced)", f"{t['tau_hat']:.2f}"),
         ("per-slot accuracy (held-out)", " ".join(f"{a:.3f}" for a in t.get("slot_accuracy", [])) or "-"),
         ("tau (measured, held-out prompts)", f"{t['tau']:.2f} over {t['held_out_prompts_decoded']} prompts"),

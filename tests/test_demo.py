@@ -18,7 +18,9 @@ from dflash.errors import ConfigError
 
 
 def _demo(out: Path) -> list[str]:
-    return [sys.executable, "-m", "dflash.cli", "demo", "--out", str(out), "--budget", "tiny"]
+    # The newer drafter and objective (DFlash 2, D-PACE) end to end; DFlash 1 with decay is what the train tests run.
+    return [sys.executable, "-m", "dflash.cli", "demo", "--out", str(out), "--budget", "tiny", "--drafter", "dflash2",
+            "--position-weights", "dpace"]
 
 
 def _stages(out: Path) -> dict:
@@ -64,6 +66,8 @@ def test_demo_tiny_budget_survives_a_kill_and_ends_in_the_table(tmp_path):
     assert json.loads((out / "run" / "config.json").read_text())["resolved"]["val_shards"] == [0]
 
     table = json.loads((out / "summary.json").read_text())
+    assert table["drafter"].startswith("dflash2, 1 layers") and table["position_weights"] == "dpace"
+    assert "drafter dflash2, 1 layers, block 4, dpace position weights" in done.stdout
     assert table["prompts_answered"] == 25 and table["self_written_prompts"] == 5 and table["tokens_extracted"] > 25 * 24
     assert table["answers_dtype"] == "float32"  # the numerics decoding verifies in, recorded in the store
     assert table["store_bytes"] > table["tokens_extracted"] * 5 * 576  # 5 layers of bf16 features, compressed < 2x
@@ -105,6 +109,8 @@ def test_demo_refuses_another_budget_in_the_same_folder(tmp_path):
     # A state written before --position-weights existed trained with decay weights.
     with pytest.raises(ConfigError, match="--position-weights decay, asked for --position-weights dpace"):
         demo.run(DemoConfig(out=str(tmp_path), budget="tiny", position_weights="dpace"))
+    with pytest.raises(ConfigError, match="--drafter dflash, asked for --drafter dflash2"):
+        demo.run(DemoConfig(out=str(tmp_path), budget="tiny", drafter="dflash2"))
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="found a file"):
         demo.run(DemoConfig(out=str(tmp_path / "file"), budget="tiny"))
@@ -122,7 +128,7 @@ def test_format_table_names_every_number():
     }
     text = format_table(t)
     assert "1,234" in text and "5.0 MB" in text and "2.25 over 2 prompts" in text and "2.00x (40 greedy -> 20)" in text
-    assert "no (1/2 prompts)" in text and "position weights" not in text
+    assert "no (1/2 prompts)" in text and "position weights" not in text  # a table from before the option
     assert "7 steps, drafter 1 layers, block 4, dpace position weights)" in format_table(
         {**t, "position_weights": "dpace"})
 

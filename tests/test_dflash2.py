@@ -240,3 +240,16 @@ def test_a_dflash2_run_logs_its_terms_refuses_another_drafter_and_resumes_after_
     a = (full / "checkpoints" / f"step-{len(expected):06d}" / "model.safetensors").read_bytes()
     b = (killed / "checkpoints" / f"step-{len(expected):06d}" / "model.safetensors").read_bytes()
     assert a == b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter, weights", [("dflash", "dpace"), ("dflash2", "decay"), ("dflash2", "dpace")])
+def test_the_new_drafter_and_weights_train_on_cuda_with_flex(store, tiny_qwen3, tmp_path, drafter, weights) -> None:
+    """On a GPU: flex attention, the compiled layers and bf16, as the demo trains; the loss falls."""
+    run = tmp_path / "run"
+    train(**opts(store, tiny_qwen3, run, gpus="0", dtype="bfloat16", epochs=3, drafter=drafter,
+                 position_weights=weights, selector_top_k=4, conv_group_size=16))
+    steps = [r for r in read_metrics(run) if r.get("split") == "train"]
+    assert steps[-1]["loss"] < steps[0]["loss"] and steps[-1]["peak_mem_gib"] > 0
+    if drafter == "dflash2":
+        assert steps[-1]["loss_selector"] >= 0 and steps[-1]["selector_tau_hat"] >= 1.0

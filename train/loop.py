@@ -406,6 +406,9 @@ class Trainer:
                 "prefetch_depth": self.stream.depth() if self.stream is not None else 0,
                 "eta_s": rate * max(0, self.learner.total - self.step), "blocks": m.blocks,
                 **m.selector_dict(),  # DFlash 2's loss terms and selector metrics; none for DFlash 1
+                # This rank's peak device memory so far (what a larger drafter or batch has to fit in).
+                "peak_mem_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30
+                if torch.device(dist.device).type == "cuda" else None,
             })
         self.schedule(elapsed / max(1, win.steps))
         self.window = Window(time.perf_counter())

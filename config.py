@@ -36,6 +36,9 @@ DTYPE_CHOICES = ("auto",) + DTYPES  # auto: numerics.py decides (bf16 on CUDA an
 GENERATE_ENGINES = ("auto", "fast", "plain")
 POSITION_WEIGHTS = ("decay", "dpace")
 DPACE_ALPHA = 0.5
+# What a run made before an option existed trained with, where today's default differs: DFlash 2 with D-PACE won
+# the A/B on one H200 (bench/RESULTS.md, "DFlash 2 and D-PACE"), so they became the defaults on 2026-12-01.
+LEGACY_DEFAULTS = {"drafter": "dflash", "position_weights": "decay"}
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, choices: tuple[str, ...] | None = None,
@@ -149,13 +152,20 @@ def resolve_devices(gpus: str, local_rank: int | None = None) -> list[str]:
     return [f"cuda:{i}" for i in have]
 
 
-def position_weights_option() -> Any:
-    """Return the --position-weights field (train's and the demo's: one default, one help)."""
-    return option("decay", choices=POSITION_WEIGHTS,
+def position_weights_option(default: str | None = "dpace", why: str = "") -> Any:
+    """Return the --position-weights field (train's and the demo's: one help; the demo's default is its budget's)."""
+    return option(default, choices=POSITION_WEIGHTS,
                   help="Loss weight of each block slot: decay is exp(-(k-1)/gamma), a weighted mean; dpace is "
                        "D-PACE (arXiv 2605.18810), each slot's share of the block's expected accepted length under "
                        "the drafter's own confidences, summed per block and averaged over blocks. Validation and "
-                       "`dflash eval` losses stay decay-weighted.")
+                       "`dflash eval` losses stay decay-weighted." + why)
+
+
+def drafter_option(default: str | None = "dflash2", why: str = "") -> Any:
+    """Return the --drafter field (train's and the demo's: one help; the demo's default is its budget's)."""
+    return option(default, choices=DRAFTERS,
+                  help="Drafter architecture: dflash2 (DFlash2DraftModel: a grouped dynamic causal convolution around "
+                       "each sublayer and a candidate selector) or dflash (DFlashDraftModel)." + why)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -302,9 +312,7 @@ class TrainConfig(StageConfig):
     weight_decay: float = option(0.0, help="AdamW weight decay.")
     clip: float = option(1.0, help="Gradient-norm clip.")
     draft_layers: int = option(5, help="Decoder layers of the drafter.")
-    drafter: str = option("dflash", choices=DRAFTERS,
-                          help="Drafter architecture: dflash (DFlashDraftModel) or dflash2 (DFlash2DraftModel: a "
-                               "grouped dynamic causal convolution around each sublayer and a candidate selector).")
+    drafter: str = drafter_option()
     conv_kernel_size: int = option(2, help="dflash2: taps of each layer's causal convolution along the block.")
     conv_group_size: int = option(16, help="dflash2: channels sharing one dynamic tap (must divide the hidden size).")
     selector_rank: int = option(256, help="dflash2: rank of the candidate selector's predecessor-successor term.")
@@ -503,14 +511,16 @@ class DemoConfig(StageConfig):
     self_prompts: int | None = option(
         None, help="Prompts the target writes itself and answers, besides the bundled ones (default: the budget's, "
                    "10,000 for gpu, 0 for full).")
-    position_weights: str = position_weights_option()
-    drafter: str = option("dflash", choices=DRAFTERS, help="Drafter architecture the demo trains (train's --drafter).")
+    position_weights: str | None = position_weights_option(
+        None, " Default: the budget's (gpu: dpace; full, on a CPU: decay).")
+    drafter: str | None = drafter_option(None, " Default: the budget's (gpu: dflash2; full, on a CPU: dflash, whose "
+                                               "steps cost a CPU far less).")
 
     def __post_init__(self) -> None:
         _check(self.device in ("cpu", "cuda"), f"--device {self.device!r}: use cpu or cuda")
-        _check(self.position_weights in POSITION_WEIGHTS,
+        _check(self.position_weights in (None,) + POSITION_WEIGHTS,
                f"--position-weights {self.position_weights!r}: use {' or '.join(POSITION_WEIGHTS)}")
-        _check(self.drafter in DRAFTERS, f"--drafter {self.drafter!r} is not one of {', '.join(DRAFTERS)}")
+        _check(self.drafter in (None,) + DRAFTERS, f"--drafter {self.drafter!r} is not one of {', '.join(DRAFTERS)}")
         _check(self.budget in DEMO_BUDGETS, f"--budget {self.budget!r}: use one of {', '.join(DEMO_BUDGETS)}")
         _check(self.self_prompts is None or self.self_prompts >= 0,
                f"--self-prompts must be >= 0, got {self.self_prompts}")

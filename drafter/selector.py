@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 __all__ = ["CandidateSelector"]
 
@@ -37,8 +38,10 @@ class CandidateSelector(nn.Module):
                predecessors: torch.Tensor) -> torch.Tensor:
         """Return the scores [N, K] (fp32 or wider) of candidates [N, K] given slot states hidden [N, H], their unary
         logits [N, K] and each slot's predecessor token [N]."""
-        state = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden)  # [N, r]
-        pair = torch.einsum("nr,nkr->nk", state, self.successor_codebook[candidates].to(state.dtype))
+        # F.embedding, not indexing: its backward sums repeated rows in a fixed order, so a step is reproducible
+        # whatever the threads (indexing's accumulate changed the 7th digit of a resumed run's losses).
+        state = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden)  # [N, r]
+        pair = torch.einsum("nr,nkr->nk", state, F.embedding(candidates, self.successor_codebook).to(state.dtype))
         acc = torch.promote_types(unary.dtype, torch.float32)
         return unary.to(acc) + pair.to(acc)
 

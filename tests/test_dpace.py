@@ -152,13 +152,14 @@ def test_a_rank_local_denominator_would_change_the_gradient(tiny_qwen3) -> None:
 # -- options, record, resume -----------------------------------------------------------------------------------
 def test_position_weight_options_are_checked() -> None:
     base = dict(store="s", target="t", out="o")
-    assert TrainConfig(**base).position_weights == "decay" and TrainConfig(**base).dpace_alpha == 0.5
+    # D-PACE is the default since the A/B on one H200 (bench/RESULTS.md, "DFlash 2 and D-PACE").
+    assert TrainConfig(**base).position_weights == "dpace" and TrainConfig(**base).dpace_alpha == 0.5
     with pytest.raises(ConfigError, match="--position-weights 'focal': use decay or dpace"):
         TrainConfig(**base, position_weights="focal")
     with pytest.raises(ConfigError, match=r"--dpace-alpha must be in \(0, 1\], got 0"):
         TrainConfig(**base, position_weights="dpace", dpace_alpha=0.0)
     with pytest.raises(ConfigError, match="--dpace-alpha 0.3 applies to --position-weights dpace only"):
-        TrainConfig(**base, dpace_alpha=0.3)
+        TrainConfig(**base, position_weights="decay", dpace_alpha=0.3)
     assert DemoConfig(position_weights="dpace").position_weights == "dpace"
     with pytest.raises(ConfigError, match="--position-weights"):
         DemoConfig(position_weights="focal")
@@ -166,7 +167,7 @@ def test_position_weight_options_are_checked() -> None:
 
 def test_resume_refuses_other_position_weights_and_takes_a_record_that_predates_them(tmp_path) -> None:
     base = dict(store="s", target="t", out=str(tmp_path))
-    decay = {"config": TrainConfig(**base).to_dict(), "resolved": {}}
+    decay = {"config": TrainConfig(**base, position_weights="decay").to_dict(), "resolved": {}}
     dpace = {"config": TrainConfig(**base, position_weights="dpace").to_dict(), "resolved": {}}
     with pytest.raises(ManifestMismatch, match='config.position_weights: run has "decay", now "dpace"'):
         check_resume(tmp_path, decay, dpace)
@@ -176,6 +177,8 @@ def test_resume_refuses_other_position_weights_and_takes_a_record_that_predates_
     old = json.loads(json.dumps(decay))
     del old["config"]["position_weights"], old["config"]["dpace_alpha"]
     check_resume(tmp_path, old, decay)  # a run made before the option trained with decay weights
+    with pytest.raises(ManifestMismatch, match='config.position_weights: run has "decay", now "dpace"'):
+        check_resume(tmp_path, old, dpace)  # ... so today's default is a change for it
     with pytest.raises(ManifestMismatch, match="config.position_weights"):
         check_resume(tmp_path, old, dpace)
 
@@ -194,3 +197,32 @@ def test_train_with_dpace_records_its_weights_and_resume_refuses_decay(store, ti
     assert json.loads((run / "config.json").read_text())["config"]["position_weights"] == "dpace"
     with pytest.raises(ManifestMismatch, match='config.position_weights: run has "dpace", now "decay"'):
         train(**opts(store, tiny_qwen3, run, **{**kw, "position_weights": "decay", "max_steps": 6}, resume=True))
+
+
+def test_a_dflash2_selector_miss_never_moves_a_position_weight(tiny_qwen3) -> None:
+    """D-PACE's weights come from the block CE alone: a selector that misses differently (other codebooks) changes
+    the selector's term, never a position's weight (NeMo-Automodel #2572's review)."""
+    from dflash.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash.facts import build_target_layer_ids
+
+    cfg = DrafterConfig.from_target(tiny_qwen3, target_layer_ids=build_target_layer_ids(8), mask_token_id=262,
+                                    draft_layers=1, block_size=5, drafter="dflash2", selector_top_k=4,
+                                    conv_group_size=16)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.3)
+    head = load_target_head(tiny_qwen3, dtype=torch.float64)
+    batch = pack_batch(_sequences(cfg.hidden_size, cfg.vocab_size), block_size=5, mask_token_id=262, max_anchors=8,
+                       seed=0)
+    a = predict(model, batch, head.embed, head.lm_head, position_weights="dpace")
+    with torch.no_grad():
+        model.candidate_selector.successor_codebook.normal_(0.0, 5.0)
+        model.candidate_selector.predecessor_codebook.normal_(0.0, 5.0)
+    b = predict(model, batch, head.embed, head.lm_head, position_weights="dpace")
+    assert a.selector["selector_correct"] != b.selector["selector_correct"] or \
+        a.selector["selector_ce_sum"] != pytest.approx(b.selector["selector_ce_sum"])
+    assert a.slot_weight == b.slot_weight and a.weight_sum == b.weight_sum
+    assert a.ce_sum == pytest.approx(b.ce_sum)  # the block CE is the backbone's, untouched by the selector

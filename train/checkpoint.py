@@ -408,16 +408,17 @@ def read_run_record(run: str | os.PathLike) -> dict[str, Any] | None:
 def check_resume(run: str | os.PathLike, saved: dict[str, Any], now: dict[str, Any]) -> None:
     """Raise ManifestMismatch naming every field of the store, model shape, world or options that changed.
 
-    An option the saved record lacks was added after the run was made, which then trained as the option's default
-    does (a new option defaults to the old behaviour): only another value is a change.
+    An option the saved record lacks was added after the run was made, which then trained as the option did before
+    it existed (config.LEGACY_DEFAULTS where today's default differs, else the default): only another value is a
+    change.
     """
     import dataclasses
 
-    from ..config import TrainConfig
+    from ..config import LEGACY_DEFAULTS, TrainConfig
 
     config = saved.get("config")
     if isinstance(config, dict):
-        added = {f.name: f.default for f in dataclasses.fields(TrainConfig)
+        added = {f.name: LEGACY_DEFAULTS.get(f.name, f.default) for f in dataclasses.fields(TrainConfig)
                  if f.name not in config and f.default is not dataclasses.MISSING}
         saved = {**saved, "config": {**json.loads(json.dumps(added)), **config}}
 

@@ -184,7 +184,7 @@ def decode_prompts(path: Path, drafter_dir: Path, target_dir: Path, prompts: lis
     import torch
 
     from .chatfiles import jsonl_lines
-    from .drafter.decode import compare_one, drafter_proposer, load_target, summarize
+    from .drafter.decode import compare_one, drafter_proposer, load_target, static_decoder, summarize
     from .train.checkpoint import open_drafter
 
     if numerics and numerics != ["float32"]:
@@ -201,11 +201,12 @@ def decode_prompts(path: Path, drafter_dir: Path, target_dir: Path, prompts: lis
     rows = [json.loads(raw) for _, _, raw in jsonl_lines(path) if raw.strip()] if path.is_file() else []
     rows = rows[: len(prompts)]
     propose = drafter_proposer(drafter, target)
+    decoder = static_decoder(target, drafter, prompts[len(rows):], max_new_tokens=max_new_tokens)
     with open(path, "a", encoding="utf-8") as f:
         for i in range(len(rows), len(prompts)):
             row = compare_one(target, propose, prompts[i], block_size=drafter.config.block_size,
                               layer_ids=drafter.config.target_layer_ids, max_new_tokens=max_new_tokens,
-                              stop_ids=stops, parity=True)
+                              stop_ids=stops, parity=True, decoder=decoder)
             rows.append(row)
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -360,6 +361,9 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         if dec_r["seconds_speculative"] else None,
         "seconds_greedy": round(dec_r["seconds_greedy"], 1),
         "seconds_speculative": round(dec_r["seconds_speculative"], 1),
+        "tokens_per_s_greedy": _rounded(dec_r.get("tokens_per_s_greedy"), 1),
+        "tokens_per_s_speculative": _rounded(dec_r.get("tokens_per_s_speculative"), 1),
+        "decoding_engine": dec_r.get("engine"),
         "identical_to_greedy": bool(dec_r["identical"]),
         "identical_prompts": dec_r["identical_prompts"],
         "humaneval": None if "skipped" in he_r else {
@@ -377,8 +381,8 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
     return table
 
 
-def _rounded(x: float | None) -> float | None:
-    return None if x is None else round(x, 3)
+def _rounded(x: float | None, digits: int = 3) -> float | None:
+    return None if x is None else round(x, digits)
 
 
 def _wall_clock(t: dict[str, Any]) -> str:
@@ -441,6 +445,8 @@ def format_table(t: dict[str, Any]) -> str:
         ("speed-up in target forwards", f"{t['speedup_target_forwards']:.2f}x "
                                         f"({t['forwards_greedy']} greedy -> {t['forwards_speculative']})"),
         ("speed-up in wall clock", _wall_clock(t)),
+        ("tokens/s", f"{t['tokens_per_s_greedy']:.0f} greedy, {t['tokens_per_s_speculative']:.0f} speculative "
+                     f"({t.get('decoding_engine') or 'dynamic'} decoding)" if t.get("tokens_per_s_greedy") else "-"),
         ("output identical to greedy", f"{'yes' if t['identical_to_greedy'] else 'no'} "
                                        f"({t['identical_prompts']}/{t['held_out_prompts_decoded']} prompts)"),
         ("tau (measured, HumanEval)", _humaneval(t)),

@@ -34,6 +34,7 @@ __all__ = [
     "compare_one",
     "summarize",
     "compare_on_prompts",
+    "static_decoder",
 ]
 
 log = logging.getLogger(__name__)
@@ -284,10 +285,40 @@ def teacher_forced(target: Any, propose: Proposer, prompt_ids: Sequence[int], to
     return TeacherForced(anchors=picked, streaks=streaks, gains=gains)
 
 
+def static_decoder(target: Any, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                   engine: str = "auto") -> Any:
+    """Return the StaticDecoder (static_decode.py: static caches, CUDA graphs on CUDA) sized for these prompts, or
+    None for the dynamic loop: engine "dynamic", or "auto" when the target or drafter is not one it runs (logged).
+
+    "auto" picks the static decoder on CUDA (measured on one H200, bench/RESULTS.md) and the dynamic loop on a CPU,
+    where the static decoder's masked cache columns cost more than the graphs it cannot use save.
+    """
+    from .static_decode import StaticDecoder, static_unsupported
+
+    if engine not in ("auto", "static", "dynamic"):
+        raise InputError(f"decoding engine {engine!r} is not one of auto, static, dynamic")
+    on_cuda = target.lm_head.weight.device.type == "cuda"
+    if engine == "dynamic" or (engine == "auto" and not on_cuda) or not prompts:
+        return None
+    why = static_unsupported(target, drafter)
+    if why is not None:
+        log.info("decode: dynamic cache loop (%s)", why)
+        return None
+    import time
+
+    t0 = time.perf_counter()
+    decoder = StaticDecoder(target, drafter, max_len=max(len(p) for p in prompts) + max_new_tokens)
+    log.info("decode: static caches%s, %d columns, ready in %.1f s", ", cuda graphs" if decoder.graphs else "",
+             decoder.max_len, time.perf_counter() - t0)
+    return decoder
+
+
 def compare_one(target: Any, propose: Proposer, prompt_ids: Sequence[int], *, block_size: int,
                 layer_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
-                parity: bool = False) -> dict[str, Any]:
+                parity: bool = False, decoder: Any = None) -> dict[str, Any]:
     """Return one prompt's row: tau, blocks, tokens, forwards of greedy and speculative decoding, identical, seconds.
+
+    decoder: a `static_decoder` runs both timed paths (greedy only, temperature 0); None, the dynamic loop.
 
     parity=True adds teacher-forced drafting over the decoded answer (untimed): at the anchors the decoding used
     (streak_sum_same, gain_sum_same: 1 + streak and what a block there gains, to set beside the measured tau;
@@ -297,14 +328,21 @@ def compare_one(target: Any, propose: Proposer, prompt_ids: Sequence[int], *, bl
     import time
 
     t0 = time.perf_counter()
-    plain = greedy_decode(target, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    if decoder is not None:
+        plain = decoder.greedy(prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    else:
+        plain = greedy_decode(target, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     t1 = time.perf_counter()
-    spec = speculative_decode(target, propose, prompt_ids, block_size=block_size, layer_ids=layer_ids,
-                              max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    if decoder is not None:
+        spec = decoder.speculative(prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    else:
+        spec = speculative_decode(target, propose, prompt_ids, block_size=block_size, layer_ids=layer_ids,
+                                  max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     t2 = time.perf_counter()
     row = dict(tau=spec.tau, blocks=len(spec.accepted), tokens=len(spec.tokens), forwards_greedy=plain.forwards,
                forwards_speculative=spec.forwards, identical=plain.tokens == spec.tokens,
-               seconds_greedy=t1 - t0, seconds_speculative=t2 - t1)
+               seconds_greedy=t1 - t0, seconds_speculative=t2 - t1,
+               engine="dynamic" if decoder is None else ("static+graphs" if decoder.graphs else "static"))
     if parity:
         kw = dict(block_size=block_size, layer_ids=layer_ids)
         same = teacher_forced(target, propose, prompt_ids, spec.tokens, anchors=block_anchors(spec), **kw)
@@ -342,6 +380,9 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "seconds_greedy": sg,
         "seconds_speculative": ss,
         "speedup_wall_clock": sg / ss if ss else 0.0,
+        "tokens_per_s_greedy": sum(r["forwards_greedy"] for r in rows) / sg if sg else 0.0,
+        "tokens_per_s_speculative": sum(r["tokens"] for r in rows) / ss if ss else 0.0,
+        "engine": "+".join(sorted({str(r.get("engine", "dynamic")) for r in rows})),
     }
     if rows and all("streak_sum_same" in r for r in rows):
         every = sum(r["anchors_every"] for r in rows)
@@ -357,14 +398,16 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def compare_on_prompts(target: Any, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *,
                        max_new_tokens: int, stop_ids: Sequence[int] = (), parity: bool = False,
-                       on_prompt: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                       on_prompt: Callable[[int, dict[str, Any]], None] | None = None,
+                       engine: str = "auto") -> dict[str, Any]:
     """Return `summarize` of greedy speculative decoding against plain greedy decoding over the prompts."""
     propose = drafter_proposer(drafter, target)
+    decoder = static_decoder(target, drafter, prompts, max_new_tokens=max_new_tokens, engine=engine)
     rows = []
     for i, ids in enumerate(prompts):
         rows.append(compare_one(target, propose, ids, block_size=drafter.config.block_size,
                                 layer_ids=drafter.config.target_layer_ids, max_new_tokens=max_new_tokens,
-                                stop_ids=stop_ids, parity=parity))
+                                stop_ids=stop_ids, parity=parity, decoder=decoder))
         if on_prompt is not None:
             on_prompt(i, rows[-1])
     return summarize(rows)

@@ -46,11 +46,15 @@ class CandidateSelector(nn.Module):
         return unary.to(acc) + pair.to(acc)
 
     @torch.no_grad()
-    def path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int) -> torch.Tensor:
+    def path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int | torch.Tensor) -> torch.Tensor:
         """Return the greedy path [S] through one block's slots: hidden [S, H] and unary logits [S, V] of slots
-        1..S, each slot's pick conditioned on the pick before it (the anchor before slot 1)."""
+        1..S, each slot's pick conditioned on the pick before it (the anchor before slot 1: an int, or a one-element
+        tensor on the logits' device, which keeps the path free of host copies for a CUDA graph)."""
         unary, candidates = torch.topk(logits, self.top_k, dim=-1)
-        predecessor = torch.tensor([int(anchor_id)], device=logits.device)
+        if isinstance(anchor_id, torch.Tensor):
+            predecessor = anchor_id.reshape(1).long()
+        else:
+            predecessor = torch.tensor([int(anchor_id)], device=logits.device)
         path = []
         for i in range(hidden.shape[0]):
             s = self.scores(hidden[i:i + 1], unary[i:i + 1], candidates[i:i + 1], predecessor)

@@ -17,16 +17,15 @@ request's tokens do not depend on which slot or batch it ran in.
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
+
+from ..static_kv import fast_unsupported, model_rope
 
 __all__ = ["Request", "Completion", "FastDecoder", "fast_unsupported"]
 
 log = logging.getLogger(__name__)
 
-# Architectures whose decoder layer is (norm, attention with optional q/k norm, residual, norm, MLP, residual).
-_SUPPORTED = ("llama", "qwen2", "qwen3")
 _BUCKET = 64  # cache columns attention reads are rounded up to this (one CUDA graph per bucket)
 _MASK64 = (1 << 64) - 1
 
@@ -46,21 +45,6 @@ class Completion:
     key: int
     tokens: list[int]
     finished: bool
-
-
-def fast_unsupported(config: Any) -> str | None:
-    """Return why the fast decoder cannot run a model of this transformers config (None when it can)."""
-    kind = getattr(config, "model_type", None)
-    if kind not in _SUPPORTED:
-        return f"architecture {kind!r} is not one of {', '.join(_SUPPORTED)}"
-    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
-        return "the model has sliding-window layers"
-    return None
-
-
-def _rope(model: Any) -> Any:
-    """Return the apply_rotary_pos_emb of the model's own modeling module (the same arithmetic as its forward)."""
-    return sys.modules[type(model.model.layers[0]).__module__].apply_rotary_pos_emb
 
 
 def _mix64(x: int) -> int:
@@ -98,7 +82,7 @@ class FastDecoder:
         self.torch = torch
         self.model = model
         self.inner = model.model
-        self.rope = _rope(model)
+        self.rope = model_rope(model)
         cfg = model.config
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype

@@ -65,7 +65,7 @@ def run_prompt_eval(cfg: "EvalConfig") -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer
 
-    from ..drafter.decode import compare_one, drafter_proposer, load_target, summarize
+    from ..drafter.decode import compare_one, drafter_proposer, load_target, static_decoder, summarize
     from ..runtime import Progress
     from .checkpoint import open_drafter, resolve_drafter
 
@@ -87,6 +87,7 @@ def run_prompt_eval(cfg: "EvalConfig") -> dict[str, Any]:
     target = load_target(target_dir, device=device, dtype=torch.float32)
     drafter = open_drafter(folder, device=device, dtype=torch.float32)
     propose, stops = drafter_proposer(drafter, target), _stop_ids(target)
+    decoder = static_decoder(target, drafter, prompts[len(rows):], max_new_tokens=cfg.decode)
     progress = Progress(len(prompts), unit="prompt", desc="eval decode", initial=len(rows), every_s=30.0,
                         logger=log)
     t0 = time.perf_counter()
@@ -94,7 +95,7 @@ def run_prompt_eval(cfg: "EvalConfig") -> dict[str, Any]:
         for ids in prompts[len(rows):]:
             row = compare_one(target, propose, ids, block_size=drafter.config.block_size,
                               layer_ids=drafter.config.target_layer_ids, max_new_tokens=cfg.decode,
-                              stop_ids=stops, parity=True)
+                              stop_ids=stops, parity=True, decoder=decoder)
             rows.append(row)
             if out is not None:
                 append_lines(out, [json.dumps(row)])
@@ -123,6 +124,8 @@ def format_prompt_eval(r: dict[str, Any]) -> str:
         f"({r['speedup_forwards']:.2f}x)",
         f"wall clock  {r['seconds_greedy']:.1f} s greedy -> {r['seconds_speculative']:.1f} s speculative "
         f"({r['speedup_wall_clock']:.2f}x)",
+        f"tokens/s    {r.get('tokens_per_s_greedy', 0):.0f} greedy, {r.get('tokens_per_s_speculative', 0):.0f} "
+        f"speculative ({r.get('engine', 'dynamic')} decoding)",
         f"identical   {'yes' if r['identical'] else 'NO'} ({r['identical_prompts']}/{r['prompts']} prompts equal "
         "plain greedy)",
     ]

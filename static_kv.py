@@ -1,0 +1,103 @@
+"""A Hugging Face Llama/Qwen causal LM run layer by layer over a static KV cache: what CUDA graphs can replay.
+
+transformers' own forward grows a DynamicCache by concatenation and builds its masks on the host, so no step of it
+can be captured as a CUDA graph. Here the cache is allocated once ([rows, kv_heads, max_len, head_dim] per layer),
+a step writes its keys and values at its positions with index_copy_ and attends to a fixed number of cache columns
+(`width`) under a mask made on the device from those positions, so a step of a given width is one fixed sequence of
+kernels. The model's own modules (embeddings, norms, projections, rotary embedding, MLP) do the arithmetic; only
+attention and the cache are ours. Used by `dflash generate`'s fast engine (many rows) and by speculative decoding's
+static decoder (one row, blocks of tokens).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+__all__ = ["SUPPORTED", "fast_unsupported", "model_rope", "StaticTarget"]
+
+# Architectures whose decoder layer is (norm, attention with optional q/k norm, residual, norm, MLP, residual).
+SUPPORTED = ("llama", "qwen2", "qwen3")
+
+
+def fast_unsupported(config: Any) -> str | None:
+    """Return why a static-cache forward cannot run a model of this transformers config (None when it can)."""
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"architecture {kind!r} is not one of {', '.join(SUPPORTED)}"
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
+        return "the model has sliding-window layers"
+    return None
+
+
+def model_rope(model: Any) -> Any:
+    """Return the apply_rotary_pos_emb of the model's own modeling module (the same arithmetic as its forward)."""
+    return sys.modules[type(model.model.layers[0]).__module__].apply_rotary_pos_emb
+
+
+class StaticTarget:
+    """One sequence of a Llama/Qwen target over a static KV cache: `forward(ids, pos0, width)` runs ids [t] at
+    positions pos0..pos0+t-1 (pos0 a one-element device tensor), writes their keys and values into the cache and
+    returns the final-normed hidden states [t, H] and, with features=True, the outputs of `feature_layers` [t, n*H]
+    (layer-major, as `output_hidden_states` gives hidden_states[i + 1]; the last layer's output is the normed one,
+    as transformers reports it). Columns past a query's own position are masked, so what a rejected block wrote is
+    never read: the next step at those positions overwrites it first."""
+
+    def __init__(self, model: Any, *, max_len: int, feature_layers: Sequence[int] = ()) -> None:
+        import torch
+
+        why = fast_unsupported(model.config)
+        assert why is None, why
+        cfg = model.config
+        self.torch, self.model, self.inner = torch, model, model.model
+        self.rope = model_rope(model)
+        self.device = model.lm_head.weight.device
+        self.dtype = model.lm_head.weight.dtype
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.max_len = max_len
+        self.feature_layers = [int(i) for i in feature_layers]
+        shape = (1, self.kv_heads, max_len, self.head_dim)
+        self.cache = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                       torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.inner.layers]
+        self.cols = torch.arange(max_len, device=self.device)
+
+    def _attend(self, attn: Any, h: Any, cos: Any, sin: Any, cache: tuple[Any, Any], positions: Any,
+                mask: Any, width: int) -> Any:
+        F = self.torch.nn.functional
+        t, d, rep = h.shape[1], self.head_dim, self.heads // self.kv_heads
+        q = attn.q_proj(h).view(1, t, -1, d)
+        k = attn.k_proj(h).view(1, t, -1, d)
+        v = attn.v_proj(h).view(1, t, -1, d).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        ck, cv = cache
+        ck.index_copy_(2, positions, k)
+        cv.index_copy_(2, positions, v)
+        # The query heads of one kv head act as that head's queries: grouped-query attention without copying keys.
+        qg = q.reshape(1, self.kv_heads, rep * t, d)
+        out = F.scaled_dot_product_attention(qg, ck[:, :, :width], cv[:, :, :width], attn_mask=mask,
+                                             scale=attn.scaling)
+        return attn.o_proj(out.view(1, self.heads, t, d).transpose(1, 2).reshape(1, t, -1))
+
+    def forward(self, ids: Any, pos0: Any, width: int, *, features: bool = False) -> tuple[Any, Any]:
+        """Return (final-normed hidden states [t, H], feature-layer outputs [t, n*H] or None) of ids [t]."""
+        torch = self.torch
+        t = ids.shape[0]
+        positions = pos0 + torch.arange(t, device=self.device)
+        x = self.inner.embed_tokens(ids[None])
+        cos, sin = self.inner.rotary_emb(x, positions[None])
+        rep = self.heads // self.kv_heads
+        mask = (self.cols[:width][None, :] <= positions[:, None]).repeat(rep, 1)[None, None]  # [1, 1, rep*t, width]
+        last = len(self.inner.layers) - 1
+        taken: dict[int, Any] = {}
+        for i, (layer, cache) in enumerate(zip(self.inner.layers, self.cache)):
+            x = x + self._attend(layer.self_attn, layer.input_layernorm(x), cos, sin, cache, positions, mask, width)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if features and i in self.feature_layers and i != last:
+                taken[i] = x[0]
+        h = self.inner.norm(x)[0]
+        if not features:
+            return h, None
+        return h, torch.cat([h if i == last else taken[i] for i in self.feature_layers], dim=-1)

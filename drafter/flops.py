@@ -15,7 +15,14 @@ _PEAKS = {"H200": H200_BF16_PEAK, "H100": H200_BF16_PEAK, "A100": 312e12}
 
 
 def step_flops(cfg: "DrafterConfig", batch: "PackedBatch") -> dict[str, float]:
-    """Return the FLOPs of one forward + backward, by part, counted from the shapes of the batch."""
+    """Return the FLOPs of one forward + backward, by part, counted from the shapes of the batch.
+
+    A trained product costs 3x its forward (input and weight gradients); the frozen lm_head's and the gathered
+    candidate rows' 2x (input gradient only); fc's 2x (its input, the target features, takes no gradient).
+    DFlash 2 adds "conv" (per layer two convolutions, each a kernel_projection matmul on the block tokens and its
+    filter applied twice, 2 FLOPs per tap and channel) and "selector" (per counted slot: K + 1 candidate logits,
+    the hidden_projection and the low-rank pair scores; train/selector_loss.py).
+    """
     H, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hq, hkv, L = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_hidden_layers
     Q = batch.num_blocks * cfg.block_size
@@ -25,12 +32,19 @@ def step_flops(cfg: "DrafterConfig", batch: "PackedBatch") -> dict[str, float]:
     per_layer_block = 2 * Q * (H * hq + 2 * H * hkv + hq * H + 3 * H * I)
     per_layer_ctx = 2 * N * (2 * H * hkv)
     attn = 4 * keys * hq  # QK^T and PV over the visible keys only
-    return {
+    out = {
         "layers": 3 * L * (per_layer_block + per_layer_ctx),
         "attention": 3 * L * attn,
         "fc": 2 * 2 * N * len(cfg.target_layer_ids) * H * H,
         "lm_head": 2 * 2 * rows * H * cfg.vocab_size,
     }
+    if cfg.drafter == "dflash2":
+        k, groups = cfg.conv_kernel_size, H // cfg.conv_group_size
+        per_conv = 2 * Q * H * (2 * k * groups) + 2 * (2 * k * Q * H)  # projection + the filter on both sides
+        out["conv"] = 3 * L * 2 * per_conv
+        cand, r = cfg.selector_top_k + 1, cfg.selector_rank  # the strict top-K and the gold token
+        out["selector"] = 2 * 2 * rows * cand * H + 3 * (2 * rows * H * r + 2 * rows * cand * r)
+    return out
 
 
 def peak_flops(device_name: str) -> float | None:

@@ -365,7 +365,10 @@ def predict(
         grid[rows] = ce.detach()
         # From the block CE alone: a selector top-K miss never moves a later position's weight.
         row_w = dpace_weights(grid.view_as(counted), counted, dpace_alpha).reshape(-1).index_select(0, rows)
-        denominator = torch.tensor(loss_denominator(batch.weights, "dpace"), dtype=ce.dtype, device=ce.device)
+        if host_sync:
+            denominator = torch.tensor(loss_denominator(batch.weights, "dpace"), dtype=ce.dtype, device=ce.device)
+        else:  # the same count, formed on the device (a host value would be copied up and wait for the device)
+            denominator = (w > 0).any(dim=1).sum().to(ce.dtype)
         loss = (ce * row_w).sum() / denominator.clamp(min=1e-12)
     else:
         row_w = w.reshape(-1).index_select(0, rows)
@@ -419,7 +422,7 @@ def _device_sums(correct: torch.Tensor, counted: torch.Tensor, ce_sum: torch.Ten
     hit = correct & counted
     streak = torch.cumprod(hit.int(), dim=1).sum()
     parts = [ce_sum.double()[None], weight_sum.double().reshape(1), streak.double()[None],
-             torch.tensor([counted.shape[0]], dtype=torch.float64, device=counted.device),
+             torch.full((1,), counted.shape[0], dtype=torch.float64, device=counted.device),
              hit.sum(0).double(), counted.sum(0).double(), slot_weight.double()]
     if sel is not None:
         picks = torch.zeros_like(counted).reshape(-1)
@@ -427,7 +430,7 @@ def _device_sums(correct: torch.Tensor, counted: torch.Tensor, ce_sum: torch.Ten
         sel_hit = picks.view_as(counted) & counted
         parts += [(sel.ce * row_w).sum().double()[None], sel.correct.sum().double()[None],
                   sel.covered.sum().double()[None],
-                  torch.tensor([rows.numel()], dtype=torch.float64, device=counted.device),
+                  torch.full((1,), rows.numel(), dtype=torch.float64, device=counted.device),
                   torch.cumprod(sel_hit.int(), dim=1).sum().double()[None]]
     else:
         parts.append(torch.zeros(5, dtype=torch.float64, device=counted.device))

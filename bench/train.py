@@ -268,10 +268,19 @@ def run_variants(names: list[str], args, cfg, dcfg, dist, batches: list, peak, s
             print(f"variant {name}: skipped (--deadline-s)", flush=True)
             continue
         t0 = time.perf_counter()
-        trainer = Learner(cfg, dcfg, dist, options[name])
-        trainer.total = 10 ** 6
-        warm = time_steps(trainer, batches[: args.warmup], sync)[0]
-        times, flops, queries = time_steps(trainer, batches[args.warmup:], sync)
+        trainer = None
+        try:  # one GPU call ranks them all: a variant that fails is reported, the others still run
+            trainer = Learner(cfg, dcfg, dist, options[name])
+            trainer.total = 10 ** 6
+            warm = time_steps(trainer, batches[: args.warmup], sync)[0]
+            times, flops, queries = time_steps(trainer, batches[args.warmup:], sync)
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"skipped": f"failed: {type(e).__name__}: {e}"[:300]}
+            print(f"variant {name}: {out[name]['skipped']}", flush=True)
+            del trainer
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
         tokens = sum(item.tokens for item in batches[args.warmup:])
         s = sum(times)
         out[name] = {"ctx_tokens_per_s": tokens / s, "query_tokens_per_s": queries / s, "tflops_per_s": flops / s / 1e12,
@@ -447,8 +456,12 @@ def run_study(args, work: Path, target: Path, cfg, dcfg, dist, device) -> dict:
         time_steps(trainer, batches[: args.warmup], sync)
         out["flex_padding"] = padding(batches, trainer)
     if args.profile and time.perf_counter() < deadline:
-        out["profile"] = profile_steps(trainer, batches[args.warmup:args.warmup + args.profile_steps], sync, device)
-        print_profile(out["profile"], out["flex_padding"])
+        try:
+            out["profile"] = profile_steps(trainer, batches[args.warmup:args.warmup + args.profile_steps], sync,
+                                           device)
+            print_profile(out["profile"], out["flex_padding"])
+        except Exception as e:  # noqa: BLE001  (the checkpoint and the variants still run)
+            print(f"profile failed: {type(e).__name__}: {e}", flush=True)
     if args.checkpoint and time.perf_counter() < deadline:
         out["checkpoint"] = checkpoint_effect(trainer, batches[args.warmup:], sync, work, args)
         print("checkpoint:", json.dumps(out["checkpoint"]), flush=True)
@@ -512,6 +525,9 @@ def main() -> None:
     kinds = [k.strip() for k in args.lengths.split(",") if k.strip()]
     if not kinds or any(k not in ("uniform", "mixed") for k in kinds):
         ap.error(f"--lengths takes uniform and/or mixed, got {args.lengths!r}")
+    unknown = sorted({v.strip() for v in (args.variants or "").split(",") if v.strip()} - set(variant_options()))
+    if unknown:
+        ap.error(f"--variants {unknown} unknown; choose from {', '.join(variant_options())}")
     if args.tiny:
         SHAPE.update(TINY)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -540,6 +556,7 @@ def main() -> None:
         if "variants" in study:
             print_variants(study["variants"])
         if "profile" in study:
+            print("flex padding:", json.dumps(study["flex_padding"]))
             print_profile(study["profile"], study["flex_padding"])
         if args.out:
             Path(args.out).write_text(text + "\n")

@@ -19,6 +19,7 @@ Both passes time the same steps after the same warm-up steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -212,6 +213,287 @@ def run_workload(kind: str, args: argparse.Namespace, work: Path, target: Path, 
     }
 
 
+# ---- --variants, --profile, --checkpoint: one store, the same preloaded batches for every measurement ----------
+
+def variant_options() -> dict:
+    """Return the StepOptions of each --variants name."""
+    from dflash.train.learner import StepOptions
+
+    return {
+        "base": StepOptions(),  # `dflash train` as it is
+        "few_syncs": StepOptions(few_syncs=True),  # one host copy a step (equal numbers)
+        "ce_4096": StepOptions(chunk_rows=4096),  # CE chunks of ~2.3 GiB of fp32 logits (8B vocab), fewer, larger
+        "ce_8192": StepOptions(chunk_rows=8192),
+        "foreach_adamw": StepOptions(adamw="foreach"),
+        "compile": StepOptions(compile_layers=True),  # fuse norms, RoPE, SwiGLU, conv elementwise (dynamic shapes)
+        "compile_few_syncs": StepOptions(compile_layers=True, few_syncs=True),
+    }
+
+
+def padding(batches: list, trainer: Learner) -> dict:
+    """Return the padding of flex's one shape over these batches: padded / padded-shape tokens, context and queries."""
+    from dflash.drafter.attention import _round128
+
+    B = trainer.model.config.block_size
+    Np, Qp = _round128(trainer.capacity[0]), _round128(trainer.capacity[1] * B)
+    ctx = [b.ctx_pos.shape[0] for item in batches for b in item.micro if b is not None]
+    qry = [b.num_blocks * B for item in batches for b in item.micro if b is not None]
+    n = len(ctx)
+    return {"shape": [Np, Qp], "context_padded": 1 - sum(ctx) / (n * Np), "query_padded": 1 - sum(qry) / (n * Qp),
+            "padded": 1 - (sum(ctx) + sum(qry)) / (n * (Np + Qp)), "context_tokens_mean": sum(ctx) / n,
+            "query_tokens_mean": sum(qry) / n}
+
+
+def time_steps(trainer: Learner, batches: list, sync) -> tuple[list[float], float, int]:
+    """Return (seconds of each step, FLOPs, query tokens) of training on these batches."""
+    times, flops, queries = [], 0.0, 0
+    B = trainer.model.config.block_size
+    for item in batches:
+        t = time.perf_counter()
+        metrics, _, _ = trainer.step(item.micro)
+        sync()
+        times.append(time.perf_counter() - t)
+        flops += trainer.last_flops
+        queries += (metrics.blocks if metrics is not None else 0) * B
+    return times, flops, queries
+
+
+def run_variants(names: list[str], args, cfg, dcfg, dist, batches: list, peak, sync, deadline: float) -> dict:
+    """Train the same preloaded batches once per variant (warm-up steps first); return tok/s and MFU of each."""
+    options = variant_options()
+    out = {}
+    for name in names:
+        if time.perf_counter() > deadline:
+            out[name] = {"skipped": "--deadline-s reached"}
+            print(f"variant {name}: skipped (--deadline-s)", flush=True)
+            continue
+        t0 = time.perf_counter()
+        trainer = None
+        try:  # one GPU call ranks them all: a variant that fails is reported, the others still run
+            trainer = Learner(cfg, dcfg, dist, options[name])
+            trainer.total = 10 ** 6
+            warm = time_steps(trainer, batches[: args.warmup], sync)[0]
+            times, flops, queries = time_steps(trainer, batches[args.warmup:], sync)
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"skipped": f"failed: {type(e).__name__}: {e}"[:300]}
+            print(f"variant {name}: {out[name]['skipped']}", flush=True)
+            del trainer
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
+        tokens = sum(item.tokens for item in batches[args.warmup:])
+        s = sum(times)
+        out[name] = {"ctx_tokens_per_s": tokens / s, "query_tokens_per_s": queries / s, "tflops_per_s": flops / s / 1e12,
+                     "mfu": flops / s / peak if peak else None, "step_s": s / len(times), "step_max_s": max(times),
+                     "warmup_s": sum(warm), "total_s": time.perf_counter() - t0,
+                     "gpu_peak_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0}
+        w = out[name]
+        print(f"variant {name}: {w['ctx_tokens_per_s']:,.0f} ctx tok/s {w['query_tokens_per_s']:,.0f} query tok/s "
+              f"MFU {w['mfu']:.1%}" if peak else f"variant {name}: {w['query_tokens_per_s']:,.0f} query tok/s",
+              f"step {w['step_s']:.3f} s (warm-up {w['warmup_s']:.1f} s)", flush=True)
+        del trainer
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+_CATEGORIES = ("attention", "block_mask", "lm_head_ce", "selector", "matmul", "optimizer", "elementwise_norm",
+               "copy_h2d", "copy_other")
+
+
+def _category(name: str, ranges: str) -> str:
+    """Return the profile category of a kernel (or CPU op) name launched under the given ancestor range names."""
+    n, r = name.lower(), ranges.lower()
+    if "memcpy htod" in n or "memcpy h2d" in n:
+        return "copy_h2d"
+    if "memcpy" in n or "memset" in n:
+        return "copy_other"
+    if "optimizer.step" in r or "bench::clip" in r or "adam" in n or "multi_tensor" in n:
+        return "optimizer"
+    if "bench::block_mask" in r:
+        return "block_mask"
+    if "flex" in n or "attention" in n or "fmha" in n or "flash" in n or "bench::attend" in r:
+        return "attention"
+    if "bench::lm_head_ce" in r or "chunkedlinearce" in r:
+        return "lm_head_ce"
+    if "bench::selector" in r or "candidatelogits" in r:
+        return "selector"
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "aten::mm", "aten::addmm", "aten::bmm",
+                            "cublas", "splitk")):
+        return "matmul"
+    return "elementwise_norm"
+
+
+@contextlib.contextmanager
+def _labels():
+    """Label the regions the kernel names do not tell apart (record_function ranges, for the profile only)."""
+    import torch.nn.attention.flex_attention as fa
+    from dflash.drafter import linear_ce
+    from dflash.train import learner as learner_mod, objective
+
+    def wrap(fn, label):
+        def inner(*a, **k):
+            with torch.profiler.record_function(label):
+                return fn(*a, **k)
+        return inner
+
+    from dflash.drafter import attention
+
+    saved = [(linear_ce, "_chunked_ce"), (objective, "selector_loss"), (fa, "create_block_mask"),
+             (torch.nn.utils, "clip_grad_norm_"), (attention, "_compiled_flex")]
+    old = [getattr(m, n) for m, n in saved]
+    labels = ["bench::lm_head_ce", "bench::selector", "bench::block_mask", "bench::clip", None]
+    for (m, n), fn, label in zip(saved, old, labels):
+        setattr(m, n, wrap(fn, label) if label else (lambda *a, _fn=fn: wrap(_fn(*a), "bench::attend")))
+    try:
+        yield
+    finally:
+        for (m, n), fn in zip(saved, old):
+            setattr(m, n, fn)
+    del learner_mod
+
+
+def profile_steps(trainer: Learner, batches: list, sync, device) -> dict:
+    """Profile a few steady steps; return ms per step and the share of wall time of each category, and idle."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with _labels():
+        time_steps(trainer, batches[:1], sync)  # the labels' first call outside the profile
+        with profile(activities=acts) as prof:
+            t = time.perf_counter()
+            time_steps(trainer, batches, sync)
+            wall = time.perf_counter() - t
+    totals = dict.fromkeys(_CATEGORIES, 0.0)
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        chain, p = [], e
+        while p is not None:
+            chain.append(p.name)
+            p = p.cpu_parent
+        ranges = " ".join(chain)
+        if cuda:
+            for k in e.kernels:
+                totals[_category(k.name, ranges)] += k.duration / 1e6
+        elif e.self_cpu_time_total > 0 and e.name.startswith("aten::"):
+            totals[_category(e.name, ranges)] += e.self_cpu_time_total / 1e6
+    busy = sum(totals.values())
+    if cuda:
+        device_total = sum(a.self_device_time_total for a in prof.key_averages()
+                           if a.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+        totals["unattributed"] = max(0.0, device_total - busy)
+        busy = max(busy, device_total)
+    totals["idle_gaps"] = max(0.0, wall - busy)
+    n = len(batches)
+    out = {k: {"ms_per_step": v / n * 1e3, "share": v / wall} for k, v in totals.items()}
+    out["wall_ms_per_step"] = wall / n * 1e3
+    out["timed_by"] = "CUDA kernels (sums of durations)" if cuda else "CPU aten ops' self time (no GPU)"
+    return out
+
+
+def checkpoint_effect(trainer: Learner, batches: list, sync, work: Path, args) -> dict:
+    """Time steps without a checkpoint, then steps while a checkpoint of this drafter is written as the loop writes
+    it (train/checkpoint.py: host snapshot on the loop, then save_in_background); return the blocked seconds."""
+    from dflash.train.checkpoint import Checkpointer, rng_state
+
+    def cycle(k):
+        return [batches[i % len(batches)] for i in range(k)]
+
+    before = time_steps(trainer, cycle(args.ckpt_steps), sync)[0]
+    ckpt = Checkpointer(work / "run-ckpt", keep=1)
+    parts = {"optimizer": trainer.opt, "scheduler": trainer.sched}
+    t0 = time.perf_counter()
+    snap = ckpt.snapshot(1, trainer.model, parts, {"step": 1, "total_steps": trainer.total, "rng": [rng_state()]})
+    ckpt.save_in_background(snap)
+    snapshot_s = time.perf_counter() - t0
+    during = []
+    while (not ckpt._pending.done() or not during) and len(during) < args.ckpt_max_steps:
+        during += time_steps(trainer, cycle(1), sync)[0]
+    folder = ckpt.wait()
+    write_s = time.perf_counter() - t0
+    typical = float(np.median(before))
+    return {"before_step_s_median": typical, "before_step_s_max": max(before), "snapshot_s (blocks the loop)": snapshot_s,
+            "during_steps": len(during), "during_step_s_max": max(during),
+            "during_step_s_median": float(np.median(during)),
+            "blocked_s": snapshot_s + sum(max(0.0, t - typical) for t in during),
+            "background_write_s": write_s, "write_finished_within_steps": write_s <= snapshot_s + sum(during),
+            "checkpoint_gb": sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file()) / 1e9}
+
+
+def run_study(args, work: Path, target: Path, cfg, dcfg, dist, device) -> dict:
+    """--variants / --profile / --checkpoint on the mixed workload's preloaded batches."""
+    from dflash.drafter.flops import peak_flops
+
+    t_start = time.perf_counter()
+    deadline = t_start + args.deadline_s
+    url = str(work / "store-mixed")
+    make_store(url, target, args.shards, args.samples, args.length, "mixed")
+    store = Store.open(url)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    ids = store.committed_ids()
+    plan = plan_round(ShardLengths(store, False).load(ids), ids, num_slots=1, seed=0, epoch=0, round_index=0,
+                      batch_tokens=cfg.batch_tokens, buffer_tokens=4 * cfg.batch_tokens)
+    n = args.warmup + args.steps
+    assert plan.steps >= n, f"the mixed store has {plan.steps} steps, need {n}; pass more --shards"
+    spec = StreamSpec(slots=[0], seed=0, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
+                      anchors=cfg.anchors, max_blocks=max_blocks_for(cfg.batch_tokens), device=device,
+                      depth=cfg.prefetch_shards)
+    s = RoundStream(store, plan, spec, epoch=0, step_offset=0, start=0)
+    batches = [s.get()[0] for _ in range(n)]
+    s.close()
+    print(f"mixed store and {n} preloaded steps ready in {time.perf_counter() - t_start:.1f} s", flush=True)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else (
+        peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
+    out: dict = {}
+    names = [v.strip() for v in (args.variants or "").split(",") if v.strip()]
+    trainer = None
+    if args.profile or args.checkpoint:
+        trainer = Learner(cfg, dcfg, dist)
+        trainer.total = 10 ** 6
+        time_steps(trainer, batches[: args.warmup], sync)
+        out["flex_padding"] = padding(batches, trainer)
+    if args.profile and time.perf_counter() < deadline:
+        try:
+            out["profile"] = profile_steps(trainer, batches[args.warmup:args.warmup + args.profile_steps], sync,
+                                           device)
+            print_profile(out["profile"], out["flex_padding"])
+        except Exception as e:  # noqa: BLE001  (the checkpoint and the variants still run)
+            print(f"profile failed: {type(e).__name__}: {e}", flush=True)
+    if args.checkpoint and time.perf_counter() < deadline:
+        out["checkpoint"] = checkpoint_effect(trainer, batches[args.warmup:], sync, work, args)
+        print("checkpoint:", json.dumps(out["checkpoint"]), flush=True)
+    del trainer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if names:  # after the profile and the checkpoint, so a --deadline-s cuts variants, not those
+        out["variants"] = run_variants(names, args, cfg, dcfg, dist, batches, peak, sync, deadline)
+    return out
+
+
+def print_profile(p: dict, pad: dict) -> None:
+    print(f"profile ({p['timed_by']}), wall {p['wall_ms_per_step']:.1f} ms/step:")
+    for k, v in p.items():
+        if isinstance(v, dict):
+            print(f"  {k:>18}: {v['ms_per_step']:9.1f} ms/step {v['share']:7.1%}")
+    print(f"  flex shape {pad['shape']}: {pad['padded']:.1%} of its tokens are padding (context "
+          f"{pad['context_padded']:.1%}, queries {pad['query_padded']:.1%})", flush=True)
+
+
+def print_variants(vs: dict) -> None:
+    print(f"{'variant':>18} {'ctx tok/s':>10} {'query tok/s':>12} {'TFLOP/s':>8} {'MFU':>6} {'step s':>7} "
+          f"{'warm-up s':>9} {'peak GiB':>8}")
+    for name, w in vs.items():
+        if "skipped" in w:
+            print(f"{name:>18} skipped: {w['skipped']}")
+            continue
+        mfu = f"{w['mfu']:.1%}" if w["mfu"] is not None else "n/a"
+        print(f"{name:>18} {w['ctx_tokens_per_s']:>10,.0f} {w['query_tokens_per_s']:>12,.0f} {w['tflops_per_s']:>8.1f} "
+              f"{mfu:>6} {w['step_s']:>7.3f} {w['warmup_s']:>9.1f} {w['gpu_peak_gb']:>8.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default=None, help="Local-disk folder for the stores [default: a temp dir].")
@@ -226,10 +508,26 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="Dense bf16 peak for MFU [default: the GPU's datasheet peak; none on a CPU].")
     ap.add_argument("--tiny", action="store_true", help="Smoke-test the script on CPU with a tiny target.")
+    ap.add_argument("--variants", default=None,
+                    help="Comma-separated StepOptions variants to A/B on the mixed workload's preloaded steps "
+                         f"(replaces the uniform/mixed passes): {', '.join(variant_options())}.")
+    ap.add_argument("--profile", action="store_true",
+                    help="Profile --profile-steps steady mixed steps: ms/step and share by category, flex padding.")
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="Time --ckpt-steps steps, then steps while the drafter's checkpoint is written as the loop "
+                         "writes it (snapshot, then background write): the seconds it blocks training.")
+    ap.add_argument("--ckpt-steps", type=int, default=4)
+    ap.add_argument("--ckpt-max-steps", type=int, default=40, help="Most steps to run while the checkpoint writes.")
+    ap.add_argument("--deadline-s", type=float, default=1e9,
+                    help="Skip the variants and measurements not started this many seconds after the store is made.")
     args = ap.parse_args()
     kinds = [k.strip() for k in args.lengths.split(",") if k.strip()]
     if not kinds or any(k not in ("uniform", "mixed") for k in kinds):
         ap.error(f"--lengths takes uniform and/or mixed, got {args.lengths!r}")
+    unknown = sorted({v.strip() for v in (args.variants or "").split(",") if v.strip()} - set(variant_options()))
+    if unknown:
+        ap.error(f"--variants {unknown} unknown; choose from {', '.join(variant_options())}")
     if args.tiny:
         SHAPE.update(TINY)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -247,6 +545,22 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     cfg = resolve_train_dtype(cfg, dist)  # --dtype auto made concrete, as `dflash train` does
+    if args.variants or args.profile or args.checkpoint:
+        study = run_study(args, work, target, cfg, dcfg, dist, device)
+        study.update({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                      "steps": args.steps, "warmup": args.warmup, "batch_tokens": cfg.batch_tokens,
+                      "drafter": dcfg.drafter, "position_weights": cfg.position_weights})
+        text = json.dumps(study, indent=2)
+        print(text)
+        if "variants" in study:
+            print_variants(study["variants"])
+        if "profile" in study:
+            print("flex padding:", json.dumps(study["flex_padding"]))
+            print_profile(study["profile"], study["flex_padding"])
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return
     trainer = Learner(cfg, dcfg, dist)
     workloads = {kind: run_workload(kind, args, work, target, trainer, device) for kind in kinds}
     result = {

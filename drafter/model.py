@@ -302,13 +302,14 @@ class DrafterLayer(nn.Module):
         q, k, v = self.pre(x, ctx, *rope_x, *rope_ctx)
         return self.post(x, attend(index, q, k, v))
 
-    def compile_parts(self) -> None:
-        """Compile the parts around attention (norms, projections, RoPE, MLP) to fuse their elementwise work.
+    def compile_parts(self, dynamic: bool | None = None) -> None:
+        """Compile the parts around attention (norms, projections, RoPE, MLP; DFlash 2's convolutions) to fuse their
+        elementwise work; dynamic as torch.compile takes it.
 
         Attention stays outside: its mask changes every step, and flex_attention is compiled on its own.
         """
-        self.pre = torch.compile(self.pre, dynamic=None)
-        self.post = torch.compile(self.post, dynamic=None)
+        self.pre = torch.compile(self.pre, dynamic=dynamic)
+        self.post = torch.compile(self.post, dynamic=dynamic)
 
 
 class DFlash2Layer(DrafterLayer):

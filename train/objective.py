@@ -308,9 +308,12 @@ class Prediction:
     weight_sum: float
     slot_weight: list[float]
     selector: dict[str, Any] | None = None  # DFlash 2: selector_loss's sums (see Metrics)
+    sums: torch.Tensor | None = None  # predict(host_sync=False): the Metrics vector, still on the device
 
     def metrics(self) -> Metrics:
         """Return the batch's Metrics (sums and counts that add across steps and ranks)."""
+        if self.sums is not None:
+            return Metrics.from_tensor(self.sums)
         slot_correct, slot_count, streak = block_metrics(self.correct, self.counted)
         return Metrics(ce_sum=self.ce_sum, weight_sum=self.weight_sum, slot_correct=slot_correct,
                        slot_count=slot_count, streak_sum=streak, blocks=self.correct.shape[0],
@@ -328,6 +331,7 @@ def predict(
     capacity: tuple[int, int] | None = None,
     position_weights: str = "decay",
     dpace_alpha: float = 0.5,
+    host_sync: bool = True,
 ) -> Prediction:
     """Return the Prediction of the drafter on one packed batch, its loss = sum_k w_k CE_k / loss_denominator.
 
@@ -335,6 +339,8 @@ def predict(
     lm_head_weight are the target's frozen tensors. The lm_head runs only on counted slots, in chunks.
     capacity (see batch_capacity) gives flex one shape for the whole run. position_weights "decay" takes the
     batch's weights, "dpace" D-PACE weights of this forward's CE (dpace_weights) on the batch's counted slots.
+    host_sync False: the metric sums stay on the device (Prediction.sums; the float fields are nan and
+    `selector` None), so the forward waits on the device only for the counted rows, not for a dozen small sums.
     """
     from ..drafter.attention import make_attend
 
@@ -348,7 +354,7 @@ def predict(
     hidden = model(batch.features, batch.ctx_pos, embeds, block_pos, attend)  # [A*B, H]
     w = batch.weights[:, 1:]
     counted = w > 0
-    rows = torch.nonzero(counted.reshape(-1), as_tuple=False)[:, 0]
+    rows = torch.nonzero(counted.reshape(-1), as_tuple=False)[:, 0]  # waits for the device: the one sync it needs
     h = hidden.view(-1, B, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1]).index_select(0, rows)
     labels = batch.labels[:, 1:].reshape(-1).index_select(0, rows)
     logit_scales = dict(multiplier=cfg.output_multiplier, softcap=cfg.final_logit_softcapping)
@@ -359,7 +365,10 @@ def predict(
         grid[rows] = ce.detach()
         # From the block CE alone: a selector top-K miss never moves a later position's weight.
         row_w = dpace_weights(grid.view_as(counted), counted, dpace_alpha).reshape(-1).index_select(0, rows)
-        denominator = torch.tensor(loss_denominator(batch.weights, "dpace"), dtype=ce.dtype, device=ce.device)
+        if host_sync:
+            denominator = torch.tensor(loss_denominator(batch.weights, "dpace"), dtype=ce.dtype, device=ce.device)
+        else:  # the same count, formed on the device (a host value would be copied up and wait for the device)
+            denominator = (w > 0).any(dim=1).sum().to(ce.dtype)
         loss = (ce * row_w).sum() / denominator.clamp(min=1e-12)
     else:
         row_w = w.reshape(-1).index_select(0, rows)
@@ -373,13 +382,18 @@ def predict(
         prev = batch.labels[:, :-1].reshape(-1).index_select(0, rows)  # teacher forcing: the gold previous token
         sel = selector_loss(_inner(model).candidate_selector, cfg, h, lm_head_weight, top, labels, prev, scale)
         loss = loss + sel.loss
-        selector = _selector_sums(sel, row_w.detach(), rows, counted)
+        selector = _selector_sums(sel, row_w.detach(), rows, counted) if host_sync else sel
     if rows.numel() == 0:
         loss = hidden.sum() * 0.0  # keeps the graph (DDP needs every parameter used) with a zero gradient
     correct = torch.zeros_like(counted).reshape(-1)
     correct[rows] = pred == labels
     slot_w = torch.zeros(counted.numel(), dtype=torch.float64, device=row_w.device)
     slot_w[rows] = row_w.detach().double()
+    if not host_sync:
+        sums = _device_sums(correct.view_as(counted), counted, (ce.detach() * row_w).sum(), denominator,
+                            slot_w.view_as(counted).sum(0), selector, row_w.detach(), rows)
+        return Prediction(loss=loss, correct=correct.view_as(counted), counted=counted, ce_sum=float("nan"),
+                          weight_sum=float("nan"), slot_weight=[], sums=sums)
     return Prediction(loss=loss, correct=correct.view_as(counted), counted=counted,
                       ce_sum=float((ce.detach() * row_w).sum()), weight_sum=float(denominator),
                       slot_weight=slot_w.view_as(counted).sum(0).tolist(), selector=selector)
@@ -399,6 +413,28 @@ def _selector_sums(sel: Any, row_w: torch.Tensor, rows: torch.Tensor, counted: t
     _, _, streak = block_metrics(picks.view_as(counted), counted)
     return dict(selector_ce_sum=float((sel.ce * row_w).sum()), selector_correct=int(sel.correct.sum()),
                 selector_covered=int(sel.covered.sum()), selector_count=int(rows.numel()), selector_streak_sum=streak)
+
+
+def _device_sums(correct: torch.Tensor, counted: torch.Tensor, ce_sum: torch.Tensor, weight_sum: torch.Tensor,
+                 slot_weight: torch.Tensor, sel: Any, row_w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Return Metrics.to_tensor's vector of one batch computed on the device: the same reductions as the host path
+    (block_metrics, _selector_sums), each cast to float64 only after it is formed, so the numbers are equal."""
+    hit = correct & counted
+    streak = torch.cumprod(hit.int(), dim=1).sum()
+    parts = [ce_sum.double()[None], weight_sum.double().reshape(1), streak.double()[None],
+             torch.full((1,), counted.shape[0], dtype=torch.float64, device=counted.device),
+             hit.sum(0).double(), counted.sum(0).double(), slot_weight.double()]
+    if sel is not None:
+        picks = torch.zeros_like(counted).reshape(-1)
+        picks[rows] = sel.correct
+        sel_hit = picks.view_as(counted) & counted
+        parts += [(sel.ce * row_w).sum().double()[None], sel.correct.sum().double()[None],
+                  sel.covered.sum().double()[None],
+                  torch.full((1,), rows.numel(), dtype=torch.float64, device=counted.device),
+                  torch.cumprod(sel_hit.int(), dim=1).sum().double()[None]]
+    else:
+        parts.append(torch.zeros(5, dtype=torch.float64, device=counted.device))
+    return torch.cat(parts)
 
 
 def drafter_loss(model: torch.nn.Module, batch: PackedBatch, embed_weight: torch.Tensor,

@@ -79,7 +79,7 @@ class StaticTarget:
         qg = q.reshape(1, self.kv_heads, rep * t, d)
         out = F.scaled_dot_product_attention(qg, ck[:, :, :width], cv[:, :, :width], attn_mask=mask,
                                              scale=attn.scaling)
-        return attn.o_proj(out.view(1, self.heads, t, d).transpose(1, 2).reshape(1, t, -1))
+        return attn.o_proj(out.reshape(1, self.heads, t, d).transpose(1, 2).reshape(1, t, -1))
 
     def forward(self, ids: Any, pos0: Any, width: int, *, features: bool = False) -> tuple[Any, Any]:
         """Return (final-normed hidden states [t, H], feature-layer outputs [t, n*H] or None) of ids [t]."""

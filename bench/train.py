@@ -508,6 +508,11 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="Dense bf16 peak for MFU [default: the GPU's datasheet peak; none on a CPU].")
     ap.add_argument("--tiny", action="store_true", help="Smoke-test the script on CPU with a tiny target.")
+    ap.add_argument("--drafter", default="dflash", choices=("dflash", "dflash2"),
+                    help="dflash: the 8B-sized drafter the MFU figures of bench/RESULTS.md were measured with; "
+                         "dflash2 adds 2 x 151,936 x 256 selector codebooks and conv activations (it ran out of "
+                         "the H200's memory at 65K tokens a step on 2026-12-01)")
+    ap.add_argument("--position-weights", default="decay", choices=("decay", "dpace"))
     ap.add_argument("--variants", default=None,
                     help="Comma-separated StepOptions variants to A/B on the mixed workload's preloaded steps "
                          f"(replaces the uniform/mixed passes): {', '.join(variant_options())}.")
@@ -538,7 +543,8 @@ def main() -> None:
     # The first workload's store gives the drafter's shape (every workload's store has the same header).
     make_store(str(work / "store-shape"), target, 1, 1, 8)
     cfg = TrainConfig(store=str(work / "store-shape"), target=str(target), out=str(work / "run"),
-                      gpus="cpu" if args.tiny else "0", epochs=1,
+                      gpus="cpu" if args.tiny else "0", epochs=1, drafter=args.drafter,
+                      position_weights=args.position_weights,
                       **(dict(batch_tokens=4 * args.length, anchors=64, draft_layers=1) if args.tiny else {}))
     dcfg = drafter_config(cfg, Store.open(cfg.store))
     dist = Dist(0, 1, device)

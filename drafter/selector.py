@@ -49,15 +49,28 @@ class CandidateSelector(nn.Module):
     def path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int | torch.Tensor) -> torch.Tensor:
         """Return the greedy path [S] through one block's slots: hidden [S, H] and unary logits [S, V] of slots
         1..S, each slot's pick conditioned on the pick before it (the anchor before slot 1: an int, or a one-element
-        tensor on the logits' device, which keeps the path free of host copies for a CUDA graph)."""
-        unary, candidates = torch.topk(logits, self.top_k, dim=-1)
+        tensor on the logits' device, which keeps the path free of host copies for a CUDA graph).
+
+        A slot's predecessor is one of the previous slot's K candidates, so the scores of every (previous candidate,
+        candidate) pair of every slot are formed at once ([S-1, K, K] tables); the walk left to right is then a
+        gather and an argmax per slot (a block of decoding was dominated by the per-slot scoring's small kernels).
+        """
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1)  # [S, K]
         if isinstance(anchor_id, torch.Tensor):
-            predecessor = anchor_id.reshape(1).long()
+            anchor = anchor_id.reshape(1).long()
         else:
-            predecessor = torch.tensor([int(anchor_id)], device=logits.device)
-        path = []
-        for i in range(hidden.shape[0]):
-            s = self.scores(hidden[i:i + 1], unary[i:i + 1], candidates[i:i + 1], predecessor)
-            predecessor = candidates[i:i + 1].gather(1, s.argmax(-1, keepdim=True))[:, 0]
-            path.append(predecessor)
-        return torch.cat(path)
+            anchor = torch.tensor([int(anchor_id)], device=logits.device)
+        acc = torch.promote_types(unary.dtype, torch.float32)
+        state = self.hidden_projection(hidden)  # [S, r]
+        successors = F.embedding(candidates, self.successor_codebook).to(state.dtype)  # [S, K, r]
+        first = F.embedding(anchor, self.predecessor_codebook) * state[:1]  # [1, r]
+        score = unary[0].to(acc) + torch.einsum("nr,kr->k", first, successors[0]).to(acc)
+        pick = score.argmax(-1, keepdim=True)  # index into the slot's candidates
+        picks = [pick]
+        if hidden.shape[0] > 1:
+            before = F.embedding(candidates[:-1], self.predecessor_codebook).to(state.dtype) * state[1:, None]
+            tables = unary[1:, None, :].to(acc) + torch.bmm(before, successors[1:].transpose(1, 2)).to(acc)
+            for i in range(tables.shape[0]):
+                pick = tables[i].index_select(0, pick).argmax(-1)
+                picks.append(pick)
+        return candidates.gather(1, torch.stack(picks).view(-1, 1))[:, 0]

@@ -110,7 +110,7 @@ class StaticDrafter:
             k = torch.cat([ck[:, :width], kx], dim=1)[None]
             v = torch.cat([cv[:, :width], vx], dim=1)[None]
             out = F.scaled_dot_product_attention(q.reshape(1, self.kv_heads, rep * B, d), k, v, attn_mask=masks[kind])
-            out = out.view(1, self.heads, B, d)
+            out = out.reshape(1, self.heads, B, d)
             x = layer.post(x, out) if taps is None else layer.post(x, out, taps)
         hidden = self.model.norm(x)[1:]
         raw = (hidden @ self.head.T).to(torch.promote_types(hidden.dtype, torch.float32))
@@ -169,7 +169,7 @@ class StaticDecoder:
         self.drafter.add_context(feats, self.pos)
         new = self.slots <= n_ok
         self.stat[0] = n_ok
-        self.stat[1] = (torch.isin(choice, self.stops) & new).any().long()
+        self.stat[1] = ((choice[:, None] == self.stops[None, :]).any(1) & new).any().long()  # isin may sync
         self.tok.copy_(choice.gather(0, n_ok.view(1)))
         self.pos.add_(n_ok + 1)
         self.n.add_(n_ok + 1)

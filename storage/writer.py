@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,6 +72,10 @@ class ShardWriter:
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"dflash-shard{shard_id}")
         self._pending: deque[Future] = deque()
         self._state = "open"
+        # Seconds spent, summed over the pool's threads (compress, write_fsync) or in commit() (commit_wait: the
+        # chunks still queued; commit_files: the small arrays, documents, fsyncs and the record): the timeline's.
+        self.times = {"compress": 0.0, "write_fsync": 0.0, "commit_wait": 0.0, "commit_files": 0.0}
+        self._times_lock = threading.Lock()
         for name in ("features", "feature_scales") if self._fp8 else ("features",):
             self._fs.makedirs(f"{self._dir}/{name}")
 
@@ -156,10 +161,14 @@ class ShardWriter:
     def _write_chunk(self, rel: str, arr: np.ndarray) -> None:
         import xxhash
 
+        t0 = time.perf_counter()
         data = encode_chunk(arr, self._compressed)
+        t1 = time.perf_counter()
         path = f"{self._dir}/{rel}"
         try:
             self._fs.write_file(path, data)
+            self._time("compress", t1 - t0)
+            self._time("write_fsync", time.perf_counter() - t1)
         except OSError as e:
             raise StoreError(
                 f"{self._fs.display(path)}: cannot write a chunk ({e.strerror or e}); free space or fix permissions, "
@@ -167,6 +176,10 @@ class ShardWriter:
             ) from e
         # dict item assignment is atomic under the GIL; each key is written by one task.
         self._files[rel] = {"xxh3": xxhash.xxh3_64_hexdigest(data), "bytes": len(memoryview(data).cast("B"))}
+
+    def _time(self, name: str, seconds: float) -> None:
+        with self._times_lock:
+            self.times[name] += seconds
 
     # -- committing ------------------------------------------------------------------------------------------
     def commit(self, extra: dict | None = None) -> dict:
@@ -194,6 +207,7 @@ class ShardWriter:
             "offsets": np.asarray(self._offsets, np.int64),
             "sample_ids": np.asarray(self._sample_ids, np.int64),
         }
+        t0 = time.perf_counter()
         for name, arr in small.items():
             self._fs.makedirs(f"{self._dir}/{name}")
             if arr.size:
@@ -201,6 +215,8 @@ class ShardWriter:
         while self._pending:
             self._pending.popleft().result()
         self._pool.shutdown(wait=True)
+        t1 = time.perf_counter()
+        self._time("commit_wait", t1 - t0)
         L, H, C = self.num_layers, self.hidden_size, self.chunk_tokens
         arrays: dict[str, dict] = {
             name: {"shape": [int(a.size)], "chunk_shape": [max(1, int(a.size))], "dtype": a.dtype.name}
@@ -248,5 +264,6 @@ class ShardWriter:
         }
         record["record_xxh3"] = record_digest(record)
         self._fs.write_atomic(commit_path(self.shard_id), dumps(record))
+        self._time("commit_files", time.perf_counter() - t1)
         log.debug("committed shard %d: %d samples, %d tokens", self.shard_id, record["num_samples"], T)
         return record

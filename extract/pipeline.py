@@ -115,9 +115,13 @@ class FeaturePipeline:
         self._work: queue.Queue[_Work | None] = queue.Queue()
         self._failure: list[BaseException] = []
         self._thread: threading.Thread | None = None
+        # Callbacks (commits) run on their own thread, one at a time: on the writer's, a commit (the shard's last
+        # chunks, its fsyncs) held back the next shard's batches until every host buffer was full and the device
+        # stopped, at every shard boundary.
+        self._committer: threading.Thread | None = None
         # Where the writer thread's time goes (seconds): waiting for a batch's device-to-host copy (the device is
         # behind), and handing features to the sink (the sink is behind: copies, compression, disk).
-        self.writer_times = {"copy_wait_s": 0.0, "sink_s": 0.0}
+        self.writer_times = {"copy_wait_s": 0.0, "sink_s": 0.0, "callback_wait_s": 0.0}
 
     def run(self, samples: list[Sample], sink: Sink) -> PipelineStats:
         """Return the stats of running every sample once and waiting until the sink has all of them."""
@@ -180,6 +184,7 @@ class FeaturePipeline:
             self._work.put(None)
             self._thread.join()
             self._thread = None
+        self._wait_callback()
         self._raise_failure()
         return time.perf_counter() - w0
 
@@ -187,6 +192,29 @@ class FeaturePipeline:
         if self._thread is None:
             self._thread = threading.Thread(target=self._write_loop, name="dflash-writer", daemon=True)
             self._thread.start()
+
+    def _wait_callback(self) -> None:
+        if self._committer is not None:
+            self._committer.join()
+            self._committer = None
+
+    def _start_callback(self, fn: Callable[[], None]) -> None:
+        # At most one callback runs: a shard commits while the next one fills, never two commits queue up (a
+        # worker dying then loses no more shards than before).
+        t0 = time.perf_counter()
+        self._wait_callback()
+        self.writer_times["callback_wait_s"] += time.perf_counter() - t0
+        if self._failure:
+            return
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # handed to the forward loop, which re-raises it in its own thread
+                self._failure.append(e)
+
+        self._committer = threading.Thread(target=run, name="dflash-commit", daemon=True)
+        self._committer.start()
 
     def _raise_failure(self) -> None:
         if self._failure:
@@ -227,7 +255,7 @@ class FeaturePipeline:
                 if self._failure:
                     continue  # after a failure the rest is dropped; the forward loop re-raises it
                 if item.callback is not None:
-                    item.callback()
+                    self._start_callback(item.callback)
                     continue
                 t0 = time.perf_counter()
                 if item.event is not None:

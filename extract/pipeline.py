@@ -1,6 +1,7 @@
 """The per-device feature pipeline: padded batches -> truncated forward -> pinned host buffers -> a writer thread."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -67,6 +68,8 @@ class _Work:
     slot: int = -1
     sink: Sink | None = None
     callback: Callable[[], None] | None = None
+    shard: int | None = None
+    started: Any = None  # the copy's start event, when profiling on CUDA
 
 
 class FeaturePipeline:
@@ -86,8 +89,15 @@ class FeaturePipeline:
         pad_id: int = 0,
         num_buffers: int = 3,
         on_batch: Callable[[int, int], None] | None = None,
+        timeline: Any = None,
+        profile: bool = False,
     ) -> None:
         self.runner = runner
+        # The worker's Timeline (extract/timeline.py): pack, forward and buffer waits per shard on this thread,
+        # the copy and the hand-over to the sink on the writer's. profile: time the device honestly (a
+        # synchronize after each forward, events around each copy), which the normal path never pays.
+        self.timeline = timeline
+        self.profile = profile
         self.batch_tokens = batch_tokens
         self.pad_id = pad_id
         self.device = runner.device
@@ -105,9 +115,13 @@ class FeaturePipeline:
         self._work: queue.Queue[_Work | None] = queue.Queue()
         self._failure: list[BaseException] = []
         self._thread: threading.Thread | None = None
+        # Callbacks (commits) run on their own thread, one at a time: on the writer's, a commit (the shard's last
+        # chunks, its fsyncs) held back the next shard's batches until every host buffer was full and the device
+        # stopped, at every shard boundary.
+        self._committer: threading.Thread | None = None
         # Where the writer thread's time goes (seconds): waiting for a batch's device-to-host copy (the device is
         # behind), and handing features to the sink (the sink is behind: copies, compression, disk).
-        self.writer_times = {"copy_wait_s": 0.0, "sink_s": 0.0}
+        self.writer_times = {"copy_wait_s": 0.0, "sink_s": 0.0, "callback_wait_s": 0.0}
 
     def run(self, samples: list[Sample], sink: Sink) -> PipelineStats:
         """Return the stats of running every sample once and waiting until the sink has all of them."""
@@ -115,7 +129,12 @@ class FeaturePipeline:
         self.drain()
         return stats
 
-    def submit(self, samples: list[Sample], sink: Sink) -> PipelineStats:
+    def _stage(self, name: str, shard: int | None, *, sync: bool = False) -> Any:
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return self.timeline.stage(name, shard, sync=sync and self.profile and self.cuda)
+
+    def submit(self, samples: list[Sample], sink: Sink, shard: int | None = None) -> PipelineStats:
         """Return the forward-side stats after running every sample; the sink may still be receiving them.
 
         The next shard's forward can start while this one's last batches are written and committed, so the
@@ -125,19 +144,27 @@ class FeaturePipeline:
         t0 = time.perf_counter()
         self._raise_failure()
         self._ensure_writer()
-        lengths = [len(s.input_ids) for s in samples]
-        for idx in pack_batches(lengths, self.batch_tokens) if samples else []:
-            batch = [samples[i] for i in idx]
-            ids, lens = self._pad(batch)
+        with self._stage("pack", shard):
+            lengths = [len(s.input_ids) for s in samples]
+            batches = pack_batches(lengths, self.batch_tokens) if samples else []
+        for idx in batches:
+            with self._stage("pack", shard):
+                batch = [samples[i] for i in idx]
+                ids, lens = self._pad(batch)
             stats.padded_tokens += ids.numel()
-            feats = self.runner.features(ids.to(self.device, non_blocking=True), lens)
+            with self._stage("forward", shard, sync=True):
+                feats = self.runner.features(ids.to(self.device, non_blocking=True), lens)
             w0 = time.perf_counter()
             slot = self._free.get()
-            stats.wait_s += time.perf_counter() - w0
+            waited = time.perf_counter() - w0
+            stats.wait_s += waited
+            if self.timeline is not None:
+                self.timeline.add("wait_buffer", waited, shard)
             if self._failure:
                 self._free.put(slot)
                 break
-            self._work.put(self._to_host(batch, feats, slot, sink))
+            with self._stage("forward", shard):  # issuing the copy (asynchronous on CUDA)
+                self._work.put(self._to_host(batch, feats, slot, sink, shard))
             stats.batches += 1
             stats.samples += len(batch)
             stats.tokens += sum(lens)
@@ -157,6 +184,7 @@ class FeaturePipeline:
             self._work.put(None)
             self._thread.join()
             self._thread = None
+        self._wait_callback()
         self._raise_failure()
         return time.perf_counter() - w0
 
@@ -164,6 +192,29 @@ class FeaturePipeline:
         if self._thread is None:
             self._thread = threading.Thread(target=self._write_loop, name="dflash-writer", daemon=True)
             self._thread.start()
+
+    def _wait_callback(self) -> None:
+        if self._committer is not None:
+            self._committer.join()
+            self._committer = None
+
+    def _start_callback(self, fn: Callable[[], None]) -> None:
+        # At most one callback runs: a shard commits while the next one fills, never two commits queue up (a
+        # worker dying then loses no more shards than before).
+        t0 = time.perf_counter()
+        self._wait_callback()
+        self.writer_times["callback_wait_s"] += time.perf_counter() - t0
+        if self._failure:
+            return
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # handed to the forward loop, which re-raises it in its own thread
+                self._failure.append(e)
+
+        self._committer = threading.Thread(target=run, name="dflash-commit", daemon=True)
+        self._committer.start()
 
     def _raise_failure(self) -> None:
         if self._failure:
@@ -176,20 +227,24 @@ class FeaturePipeline:
         # Pinned, so the host-to-device copy of the ids is asynchronous.
         return (ids.pin_memory() if self.cuda else ids), lens
 
-    def _to_host(self, batch: list[Sample], feats: torch.Tensor, slot: int, sink: Sink) -> _Work:
+    def _to_host(self, batch: list[Sample], feats: torch.Tensor, slot: int, sink: Sink, shard: int | None) -> _Work:
         T = feats.shape[0]
         if not self.cuda:
-            return _Work(batch, feats, T, slot=slot, sink=sink)
+            return _Work(batch, feats, T, slot=slot, sink=sink, shard=shard)
         buf = self._buffers[slot]
         compute = torch.cuda.current_stream(self.device)
         self._copy_stream.wait_stream(compute)
+        started = None
         with torch.cuda.stream(self._copy_stream):
+            if self.profile and self.timeline is not None:
+                started = torch.cuda.Event(enable_timing=True)
+                started.record(self._copy_stream)
             buf[:T].copy_(feats, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=started is not None)
             event.record(self._copy_stream)
         # The caching allocator must not hand feats' memory to the next forward before the copy has read it.
         feats.record_stream(self._copy_stream)
-        return _Work(batch, buf, T, event=event, slot=slot, sink=sink)
+        return _Work(batch, buf, T, event=event, slot=slot, sink=sink, shard=shard, started=started)
 
     def _write_loop(self) -> None:
         while True:
@@ -200,7 +255,7 @@ class FeaturePipeline:
                 if self._failure:
                     continue  # after a failure the rest is dropped; the forward loop re-raises it
                 if item.callback is not None:
-                    item.callback()
+                    self._start_callback(item.callback)
                     continue
                 t0 = time.perf_counter()
                 if item.event is not None:
@@ -211,8 +266,14 @@ class FeaturePipeline:
                     n = len(s.input_ids)
                     item.sink.append(s.input_ids, s.loss_mask, item.buf[off : off + n], s.row)
                     off += n
+                t2 = time.perf_counter()
                 self.writer_times["copy_wait_s"] += t1 - t0
-                self.writer_times["sink_s"] += time.perf_counter() - t1
+                self.writer_times["sink_s"] += t2 - t1
+                if self.timeline is not None:
+                    times = {"copy": t1 - t0, "sink": t2 - t1}
+                    if item.started is not None:
+                        times["copy_device"] = item.started.elapsed_time(item.event) / 1000.0
+                    self.timeline.add_many(item.shard, times)
                 if self.on_batch is not None:
                     self.on_batch(len(item.batch), item.tokens)
             except BaseException as e:  # handed to the forward loop, which re-raises it in its own thread

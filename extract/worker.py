@@ -1,6 +1,7 @@
 """One extract worker (one process per device): claims uncommitted shards one at a time and fills them."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -113,18 +114,32 @@ def open_encoder(cfg: "ExtractConfig") -> tuple[Any, int]:
 
 
 def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, pad_id: int,
-                     on_batch: Callable[[int, int], None] | None = None) -> Any:
-    """Return the feature pipeline of the target (loaded now) on `device`."""
+                     on_batch: Callable[[int, int], None] | None = None, timeline: Any = None,
+                     model: Any = None) -> Any:
+    """Return the feature pipeline of the target on `device` (loaded now unless `model` is the loaded target)."""
+    import contextlib
+
     import torch
 
     from .capture import TargetRunner, load_target
     from .pipeline import FeaturePipeline
 
+    def stage(name: str) -> Any:
+        return timeline.stage(name) if timeline is not None else contextlib.nullcontext()
+
     dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    runner = TargetRunner(load_target(cfg.model, dev, getattr(torch, cfg.dtype)), header["layer_ids"])
-    return FeaturePipeline(runner, cfg.batch_tokens, pad_id=pad_id, on_batch=on_batch)
+    with stage("device_init"):
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+            torch.cuda.init()
+    profile = bool(getattr(cfg, "profile", None))
+    if timeline is not None and profile and dev.type == "cuda":
+        timeline.sync = lambda: torch.cuda.synchronize(dev)
+    with stage("model_load"):
+        model = model if model is not None else load_target(cfg.model, dev, getattr(torch, cfg.dtype))
+        runner = TargetRunner(model, header["layer_ids"])
+    return FeaturePipeline(runner, cfg.batch_tokens, pad_id=pad_id, on_batch=on_batch, timeline=timeline,
+                           profile=profile)
 
 
 def open_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str,
@@ -134,38 +149,58 @@ def open_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str,
     return encoder, feature_pipeline(cfg, header, device, pad_id, on_batch)
 
 
-def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, report: Report) -> dict[str, Any]:
-    """Return this worker's totals after it has filled every shard it could claim; report() gets progress events."""
+def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, report: Report, *,
+               timeline: Any = None, encoder: tuple[Any, int] | None = None,
+               model: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Return this worker's totals (and its timeline) after it has filled every shard it could claim; report()
+    gets progress events.
+
+    timeline: the run's Timeline when the worker runs in the command's own process (else one from this process's
+    start); encoder: (chat encoder, pad id) already made; model: a function returning the target already being
+    loaded (orchestrate starts the load beside reading the data).
+    """
     from ..storage import Store
     from ..chatfiles import read_rows
+    from .timeline import Timeline
 
+    tl = timeline if timeline is not None else Timeline()
     t_start = time.perf_counter()
-    rows = rows if rows is not None else read_rows(cfg.data)
+    if rows is None:
+        with tl.stage("read"):
+            rows = read_rows(cfg.data)
     header = spec.header
-    store = Store.open(cfg.out, expected=header)
-    encoder, pad_id = open_encoder(cfg)
+    with tl.stage("store"):
+        store = Store.open(cfg.out, expected=header)
+    if encoder is None:
+        with tl.stage("tokenizer"):
+            encoder = open_encoder(cfg)
+    encoder, pad_id = encoder
     loaded: dict[str, float] = {}
 
     def make_pipeline() -> Any:
         # Called once the first shard is being tokenised: loading the model and tokenising overlap.
+        with tl.stage("model_wait") if model is not None else contextlib.nullcontext():
+            target = model() if model is not None else None
         pipeline = feature_pipeline(
             cfg, header, spec.device, pad_id,
-            on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}))
+            on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}),
+            timeline=tl, model=target)
         loaded["load_s"] = time.perf_counter() - t_start
         return pipeline
 
     ranges = shard_ranges(len(rows), header["shard_plan"]["rows_per_shard"])
 
     def samples_for(shard_id: int) -> tuple[list[Any], dict[str, Any]]:
-        start, stop = ranges[shard_id]
-        altered = BadRowLog()
-        samples, dropped = prepare_shard(rows[start:stop], encoder, cfg.min_loss_tokens, cfg.strict, altered)
+        with tl.stage("tokenise", shard_id, main=False):
+            start, stop = ranges[shard_id]
+            altered = BadRowLog()
+            samples, dropped = prepare_shard(rows[start:stop], encoder, cfg.min_loss_tokens, cfg.strict, altered)
         report({"kind": "dropped", "worker": spec.index, "samples": stop - start - len(samples)})
         return samples, {"rows": [start, stop], "dropped": dropped.to_dict(), "altered": altered.to_dict()}
 
     try:
         result = fill_shards(store, samples_for, make_pipeline, report, spec,
-                             writer_threads=cfg.writer_threads or spec.writer_threads)
+                             writer_threads=cfg.writer_threads or spec.writer_threads, timeline=tl)
     except BaseException as e:
         if _disk_full(e):
             raise StoreError(
@@ -173,11 +208,12 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, r
                 "Free space (or move --out) and rerun the same command to resume"
             ) from None
         raise
-    return {**result, "load_s": round(loaded["load_s"], 3) if loaded else None}
+    result = {**result, "load_s": round(loaded["load_s"], 3) if loaded else None}
+    return {**result, "timeline": tl.to_dict(device=spec.device, pid=os.getpid(), index=spec.index)}
 
 
 def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report, spec: WorkerSpec, *,
-                writer_threads: int | None = None) -> dict[str, Any]:
+                writer_threads: int | None = None, timeline: Any = None) -> dict[str, Any]:
     """Return this worker's totals after claiming and committing every shard it could get, one claim at a time.
 
     samples_for(shard_id) gives the shard's samples and the commit extra (rows, drops); pipeline is the
@@ -190,7 +226,9 @@ def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report
     from concurrent.futures import ThreadPoolExecutor
 
     from .pipeline import PipelineStats
+    from .timeline import Timeline
 
+    tl = timeline if timeline is not None else Timeline()
     totals = PipelineStats()
     open_writers: dict[int, Any] = {}
     done: list[int] = []
@@ -225,32 +263,43 @@ def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report
                         yield shard_id, writer
 
     def commit(writer: Any, shard_id: int, extra: dict) -> None:
-        _commit(writer, shard_id, extra, open_writers, done, report, spec.index)
+        with tl.stage("commit", shard_id, main=False):
+            _commit(writer, shard_id, extra, open_writers, done, report, spec.index)
+        tl.add_many(shard_id, writer.times)
         times.setdefault("first_commit", time.perf_counter())
         times["last_commit"] = time.perf_counter()
 
     # The next shard is claimed and tokenised on a thread while the device runs this one: tokenising is not on
     # the device's critical path (it was, shard after shard).
     tokenizer = ThreadPoolExecutor(1, thread_name_prefix="dflash-tokenize")
+
+    def next_claim(queue: Any) -> Any:
+        c0 = time.perf_counter()
+        nxt = next(queue, None)
+        tl.add("claim", time.perf_counter() - c0, nxt[0] if nxt else None)
+        return nxt
+
     try:
         queue = claims()
-        nxt = next(queue, None)
+        nxt = next_claim(queue)
         ready = tokenizer.submit(samples_for, nxt[0]) if nxt else None
         if nxt is not None and not hasattr(pipeline, "submit"):
             pipeline = pipeline()
             t0 = time.perf_counter()  # the first commit is timed from a loaded model
         while nxt is not None:
             shard_id, writer = nxt
-            samples, extra = ready.result()
-            nxt = next(queue, None)
+            with tl.stage("wait_tokenise", shard_id):
+                samples, extra = ready.result()
+            nxt = next_claim(queue)
             ready = tokenizer.submit(samples_for, nxt[0]) if nxt else None
             times.setdefault("first_forward", time.perf_counter())
-            stats = pipeline.submit(samples, writer)
+            stats = pipeline.submit(samples, writer, shard_id)
             totals.add(stats)
             extra = {**extra, "device": spec.device, **stats.to_dict()}
             pipeline.then(lambda w=writer, sid=shard_id, x=extra: commit(w, sid, x))
         if hasattr(pipeline, "drain"):
-            totals.wait_s += pipeline.drain()
+            with tl.stage("drain"):
+                totals.wait_s += pipeline.drain()
     except BaseException:
         try:
             if hasattr(pipeline, "drain"):

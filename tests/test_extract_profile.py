@@ -1,0 +1,37 @@
+"""`dflash extract --profile`: the command's own timeline covers its wall time and has a row for every shard."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dflash.storage import Store
+from dflash.testing import build_tiny_target
+from test_extract_run import write_conversations
+
+
+def test_profile_parts_sum_to_wall(tmp_path: Path) -> None:
+    model = build_tiny_target(tmp_path / "model")
+    data = write_conversations(tmp_path / "data.jsonl", 60, bad={})
+    out, profile = tmp_path / "store", tmp_path / "profile.json"
+    cmd = [sys.executable, "-m", "dflash.cli", "extract", "--model", str(model), "--data", str(data), "--out", str(out),
+           "--gpus", "cpu", "--shard-size", "6", "--batch-tokens", "1024", "--max-length", "256",
+           "--min-loss-tokens", "4", "--dtype", "float32", "--profile", str(profile)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(profile.read_text())
+    assert doc["version"] == 1 and len(doc["workers"]) == 1
+    w = doc["workers"][0]
+    # The main thread's parts are timed intervals that never overlap: together they must cover the wall time.
+    assert abs(sum(w["parts"].values()) - w["wall_s"]) <= 0.05 * w["wall_s"], w
+    for part in ("imports", "model_config", "read", "model_load", "forward", "pack"):
+        assert w["parts"].get(part, 0) > 0, (part, w["parts"])
+    store = Store.open(str(out))
+    rows = {r["shard"]: r for r in w["shards"]}
+    assert sorted(rows) == list(range(store.num_shards)) == store.committed_ids()
+    for r in rows.values():
+        for part in ("tokenise", "forward", "sink", "compress", "write_fsync", "commit"):
+            assert r.get(part, 0) > 0, (part, r)
+    assert "timeline cpu: wall" in done.stderr

@@ -26,6 +26,10 @@ def fast_unsupported(config: Any) -> str | None:
         return f"architecture {kind!r} is not one of {', '.join(SUPPORTED)}"
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
         return "the model has sliding-window layers"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = str(rope.get("rope_type", rope.get("type", "default"))) if isinstance(rope, dict) else "default"
+    if "dynamic" in kind:  # its update compares lengths on the host and swaps inv_freq: no graph can hold that
+        return f"rope_type {kind!r} rescales its frequencies as the sequence grows"
     return None
 
 

@@ -61,9 +61,11 @@ class CandidateSelector(nn.Module):
         else:
             anchor = torch.tensor([int(anchor_id)], device=logits.device)
         acc = torch.promote_types(unary.dtype, torch.float32)
-        state = self.hidden_projection(hidden)  # [S, r]
+        # The dtype `scores` computes the pair term in: the codebook's and the projection's, promoted.
+        state = self.hidden_projection(hidden)
+        state = state.to(torch.promote_types(state.dtype, self.predecessor_codebook.dtype))  # [S, r]
         successors = F.embedding(candidates, self.successor_codebook).to(state.dtype)  # [S, K, r]
-        first = F.embedding(anchor, self.predecessor_codebook) * state[:1]  # [1, r]
+        first = F.embedding(anchor, self.predecessor_codebook).to(state.dtype) * state[:1]  # [1, r]
         score = unary[0].to(acc) + torch.einsum("nr,kr->k", first, successors[0]).to(acc)
         pick = score.argmax(-1, keepdim=True)  # index into the slot's candidates
         picks = [pick]

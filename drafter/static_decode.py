@@ -190,12 +190,12 @@ class StaticDecoder:
 
     def _capture_all(self) -> None:
         """Capture both paths at every width (state at zero; caches hold nothing a prompt needs yet)."""
-        pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
+        with torch.cuda.device(self.device), torch.inference_mode():
+            pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream(self.device)  # one side stream for every warm-up: one cuBLAS workspace
             for kind, fn in (("block", self._block), ("step", self._step)):
                 for w in self.widths:
                     self._zero()
-                    stream = torch.cuda.Stream(self.device)
                     stream.wait_stream(torch.cuda.current_stream(self.device))
                     with torch.cuda.stream(stream):
                         for _ in range(2):  # warm-up outside the graph (cuBLAS workspaces, lazy inits)
@@ -283,4 +283,4 @@ class StaticDecoder:
                 pos += 1
             n += self.sync_every
             tokens, done = _cut([first] + self.out[:n].tolist(), max_new_tokens, stops)
-        return self.Decoded(tokens=tokens, forwards=len(tokens))
+        return self.Decoded(tokens=tokens, forwards=max(1, len(tokens)))  # the prefill runs even for 0 new tokens

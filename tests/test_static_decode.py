@@ -9,7 +9,7 @@ from dflash.drafter.decode import greedy_decode, load_target, speculative_decode
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.drafter.static_decode import StaticDecoder
 from dflash.facts import build_target_layer_ids
-from dflash.static_kv import StaticTarget
+from dflash.static_kv import StaticTarget, fast_unsupported
 from test_speculative import FIT_PROMPTS, PROMPTS, _fitted_drafter
 
 
@@ -40,7 +40,7 @@ def test_static_speculative_and_greedy_equal_the_dynamic_loop(target, fitted):
     decoder = StaticDecoder(target, fitted, max_len=64, sync_every=3)  # one decoder serves every prompt
     seen_long_block = False
     for prompt in FIT_PROMPTS + PROMPTS:
-        for n in (1, 7, 40):
+        for n in (0, 1, 7, 40):
             dynamic, static = _both(target, fitted, prompt, decoder, max_new_tokens=n)
             assert (static.tokens, static.accepted, static.forwards) == \
                    (dynamic.tokens, dynamic.accepted, dynamic.forwards), (prompt, n)
@@ -90,6 +90,15 @@ def test_static_target_features_equal_the_hidden_states_transformers_reports(tar
         hs = target(input_ids=ids[None], output_hidden_states=True).hidden_states
     torch.testing.assert_close(feats, torch.cat([hs[i + 1][0] for i in (1, 4, last)], -1), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(h, hs[-1][0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_target_whose_rope_rescales_as_it_grows_is_left_to_the_dynamic_loop(target):
+    """Dynamic RoPE compares lengths on the host and swaps its frequencies: no CUDA graph can hold that."""
+    from transformers import Qwen3Config
+
+    assert fast_unsupported(target.config) is None
+    cfg = Qwen3Config(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6})
+    assert "dynamic" in fast_unsupported(cfg)
 
 
 @pytest.mark.gpu

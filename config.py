@@ -349,6 +349,11 @@ class TrainConfig(StageConfig):
     full_every: int | None = option(None, help="Every K-th drafter layer attends fully (with --sliding-window).")
     attention: str = option("auto", choices=("auto", "flex", "sdpa"),
                             help="Attention kernel: auto is flex on CUDA, sdpa on CPU.")
+    compile_layers: str = option(
+        "auto", choices=("auto", "on", "off"),
+        help="torch.compile each drafter layer's norms, projections, RoPE and MLP (attention is compiled apart), "
+             "with dynamic shapes: one compile (~30 s) for the whole run. auto is on on CUDA (one H200, 8B-sized "
+             "drafter, mixed lengths: MFU 37.0% -> 44.3%), off on CPU. The same math to float rounding.")
     dtype: str = option("auto", choices=DTYPE_CHOICES,
                         help="Compute dtype (master weights stay fp32): auto is bfloat16 on CUDA and on CPUs with "
                              "native bf16, float32 on other CPUs (a run being resumed keeps its own). Recorded.")
@@ -394,6 +399,8 @@ class TrainConfig(StageConfig):
         _check(self.sliding_window is None or self.sliding_window >= 1, "--sliding-window must be >= 1")
         _check(self.full_every is None or self.full_every >= 1, "--full-every must be >= 1")
         _check(self.attention in ("auto", "flex", "sdpa"), f"--attention {self.attention!r}: use auto, flex or sdpa")
+        _check(self.compile_layers in ("auto", "on", "off"),
+               f"--compile-layers {self.compile_layers!r}: use auto, on or off")
         _check(self.dtype in DTYPE_CHOICES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
         _check(self.position_weights in POSITION_WEIGHTS,
                f"--position-weights {self.position_weights!r}: use {' or '.join(POSITION_WEIGHTS)}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence
 
-__all__ = ["SUPPORTED", "fast_unsupported", "model_rope", "StaticTarget"]
+__all__ = ["SUPPORTED", "fast_unsupported", "model_rope", "rows_linear", "StaticTarget"]
 
 # Architectures whose decoder layer is (norm, attention with optional q/k norm, residual, norm, MLP, residual).
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -36,6 +36,14 @@ def fast_unsupported(config: Any) -> str | None:
 def model_rope(model: Any) -> Any:
     """Return the apply_rotary_pos_emb of the model's own modeling module (the same arithmetic as its forward)."""
     return sys.modules[type(model.model.layers[0]).__module__].apply_rotary_pos_emb
+
+
+def rows_linear(lin: Any, h: Any) -> Any:
+    """Return lin(h) for h [1, t, K] computed as t one-row products in one batched matmul (a stride-0 weight)."""
+    w = lin.weight.t()
+    t = h.shape[1]
+    y = (h[0][:, None] @ w.expand(t, *w.shape))[:, 0][None]
+    return y if lin.bias is None else y + lin.bias
 
 
 class StaticTarget:
@@ -61,18 +69,35 @@ class StaticTarget:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_len = max_len
         self.feature_layers = [int(i) for i in feature_layers]
+        # fp32 on CUDA (how decoding verifies): cuBLAS's kernel for a few rows through a narrowing projection (k/v,
+        # the MLP's down) took 52 us where the batched one-row form takes 6-9, and the memory-efficient attention
+        # kernel 46 us where matmul + softmax take 20, for 3 or 24 query rows (bench/decode.py --alternatives, H200).
+        self.fp32_cuda = self.device.type == "cuda" and self.dtype == torch.float32
         shape = (1, self.kv_heads, max_len, self.head_dim)
         self.cache = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                        torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.inner.layers]
         self.cols = torch.arange(max_len, device=self.device)
+
+    def _linear(self, lin: Any, h: Any) -> Any:
+        """Return lin(h) for h [1, t, K]; a narrowing projection of several rows in fp32 on CUDA as t one-row
+        products in one batched matmul (the same sums, another kernel: see __init__)."""
+        t = h.shape[1]
+        if not (self.fp32_cuda and t > 1 and lin.out_features < lin.in_features):
+            return lin(h)
+        return rows_linear(lin, h)
+
+    def _mlp(self, mlp: Any, h: Any) -> Any:
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return mlp(h)
+        return self._linear(mlp.down_proj, mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
 
     def _attend(self, attn: Any, h: Any, cos: Any, sin: Any, cache: tuple[Any, Any], positions: Any,
                 mask: Any, width: int) -> Any:
         F = self.torch.nn.functional
         t, d, rep = h.shape[1], self.head_dim, self.heads // self.kv_heads
         q = attn.q_proj(h).view(1, t, -1, d)
-        k = attn.k_proj(h).view(1, t, -1, d)
-        v = attn.v_proj(h).view(1, t, -1, d).transpose(1, 2)
+        k = self._linear(attn.k_proj, h).view(1, t, -1, d)
+        v = self._linear(attn.v_proj, h).view(1, t, -1, d).transpose(1, 2)
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -81,8 +106,12 @@ class StaticTarget:
         cv.index_copy_(2, positions, v)
         # The query heads of one kv head act as that head's queries: grouped-query attention without copying keys.
         qg = q.reshape(1, self.kv_heads, rep * t, d)
-        out = F.scaled_dot_product_attention(qg, ck[:, :, :width], cv[:, :, :width], attn_mask=mask,
-                                             scale=attn.scaling)
+        if self.fp32_cuda:
+            scores = (qg * attn.scaling) @ ck[:, :, :width].transpose(-1, -2)
+            out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ cv[:, :, :width]
+        else:
+            out = F.scaled_dot_product_attention(qg, ck[:, :, :width], cv[:, :, :width], attn_mask=mask,
+                                                 scale=attn.scaling)
         return attn.o_proj(out.reshape(1, self.heads, t, d).transpose(1, 2).reshape(1, t, -1))
 
     def forward(self, ids: Any, pos0: Any, width: int, *, features: bool = False) -> tuple[Any, Any]:
@@ -98,7 +127,7 @@ class StaticTarget:
         taken: dict[int, Any] = {}
         for i, (layer, cache) in enumerate(zip(self.inner.layers, self.cache)):
             x = x + self._attend(layer.self_attn, layer.input_layernorm(x), cos, sin, cache, positions, mask, width)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
             if features and i in self.feature_layers and i != last:
                 taken[i] = x[0]
         h = self.inner.norm(x)[0]

@@ -220,13 +220,18 @@ def variant_options() -> dict:
     from dflash.train.learner import StepOptions
 
     return {
-        "base": StepOptions(),  # `dflash train` as it is
-        "few_syncs": StepOptions(few_syncs=True),  # one host copy a step (equal numbers)
-        "ce_4096": StepOptions(chunk_rows=4096),  # CE chunks of ~2.3 GiB of fp32 logits (8B vocab), fewer, larger
-        "ce_8192": StepOptions(chunk_rows=8192),
-        "foreach_adamw": StepOptions(adamw="foreach"),
+        "base": StepOptions(),  # `dflash train` as it is (--compile-layers auto: compiled on CUDA)
+        "eager": StepOptions(compile_layers=False),  # the step before --compile-layers (its 2026-12-01 figures)
+        "few_syncs": StepOptions(compile_layers=False, few_syncs=True),  # one host copy a step (equal numbers)
+        # CE chunks of ~2.3 GiB of fp32 logits (8B vocab): fewer, larger
+        "ce_4096": StepOptions(compile_layers=False, chunk_rows=4096),
+        "ce_8192": StepOptions(compile_layers=False, chunk_rows=8192),
+        "foreach_adamw": StepOptions(compile_layers=False, adamw="foreach"),
         "compile": StepOptions(compile_layers=True),  # fuse norms, RoPE, SwiGLU, conv elementwise (dynamic shapes)
         "compile_few_syncs": StepOptions(compile_layers=True, few_syncs=True),
+        "compile_ce4096": StepOptions(compile_layers=True, chunk_rows=4096),  # compiled layers free memory for these
+        "compile_ce8192": StepOptions(compile_layers=True, chunk_rows=8192),
+        "compile_few_syncs_ce4096": StepOptions(compile_layers=True, few_syncs=True, chunk_rows=4096),
     }
 
 

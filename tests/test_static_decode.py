@@ -81,15 +81,38 @@ def test_dflash2_and_sliding_drafters_decode_as_the_dynamic_loop(tiny_llama, kin
         assert (static.tokens, static.accepted) == (dynamic.tokens, dynamic.accepted)
 
 
-def test_static_target_features_equal_the_hidden_states_transformers_reports(target):
+@pytest.mark.parametrize("cuda_arithmetic", [False, True])
+def test_static_target_features_equal_the_hidden_states_transformers_reports(target, cuda_arithmetic):
+    """cuda_arithmetic: the forms fp32 on CUDA takes (narrowing projections as batched one-row products, attention
+    as matmul + softmax), run here on the CPU."""
     last = target.config.num_hidden_layers - 1
     static = StaticTarget(target, max_len=32, feature_layers=[1, 4, last])
+    static.fp32_cuda = cuda_arithmetic
     ids = torch.tensor(PROMPTS[1])
     with torch.no_grad():
         h, feats = static.forward(ids, torch.zeros(1, dtype=torch.long), 16, features=True)
         hs = target(input_ids=ids[None], output_hidden_states=True).hidden_states
     torch.testing.assert_close(feats, torch.cat([hs[i + 1][0] for i in (1, 4, last)], -1), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(h, hs[-1][0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_cuda_arithmetic_decodes_as_the_dynamic_loop(target, fitted):
+    decoder = StaticDecoder(target, fitted, max_len=64)
+    decoder.target.fp32_cuda = True
+    for prompt in FIT_PROMPTS[:2] + PROMPTS[:2]:
+        dynamic, static = _both(target, fitted, prompt, decoder, max_new_tokens=30)
+        assert (static.tokens, static.accepted) == (dynamic.tokens, dynamic.accepted)
+
+
+def test_rows_linear_is_the_linear_row_by_row():
+    from dflash.static_kv import rows_linear
+
+    torch.manual_seed(0)
+    for bias in (False, True):
+        lin = torch.nn.Linear(48, 16, bias=bias)
+        h = torch.randn(1, 7, 48)
+        torch.testing.assert_close(rows_linear(lin, h), lin(h), rtol=1e-6, atol=1e-6)
+        assert torch.equal(rows_linear(lin, h)[0, 3], rows_linear(lin, h[:, 3:4])[0, 0])
 
 
 def test_a_target_whose_rope_rescales_as_it_grows_is_left_to_the_dynamic_loop(target):

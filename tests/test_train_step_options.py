@@ -64,3 +64,19 @@ def test_compiled_layers_change_the_step_only_by_rounding(store, tiny_qwen3, tmp
     for (m0, g0, _, _), (m1, g1, _, _) in zip(base, comp):
         assert m1.loss == pytest.approx(m0.loss, rel=1e-4) and g1 == pytest.approx(g0, rel=1e-3)
     assert all(torch.allclose(w0[k], w1[k], rtol=1e-3, atol=1e-5) for k in w0)
+
+
+@pytest.mark.parametrize("choice, device, expected", [("auto", "cuda", True), ("auto", "cpu", False),
+                                                      ("on", "cpu", True), ("off", "cuda", False)])
+def test_compile_layers_auto_compiles_on_cuda_only(store, tiny_qwen3, tmp_path, choice, device, expected):  # noqa: F811
+    from dflash.train.learner import compiles
+
+    cfg = TrainConfig(**opts(store, tiny_qwen3, tmp_path / "run", compile_layers=choice))
+    assert compiles(cfg, torch.device(device)) is expected
+
+
+def test_compile_layers_takes_only_its_choices(store, tiny_qwen3, tmp_path):  # noqa: F811
+    from dflash.errors import DflashError
+
+    with pytest.raises(DflashError, match="compile"):
+        TrainConfig(**opts(store, tiny_qwen3, tmp_path / "run", compile_layers="sometimes"))

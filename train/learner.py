@@ -3,6 +3,7 @@ AdamW with a cosine schedule, bf16 autocast, gradient accumulation over the rank
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,25 +15,33 @@ if TYPE_CHECKING:
     from ..drafter.model import DrafterConfig
     from .objective import Metrics
 
-__all__ = ["Learner", "StepOptions"]
+log = logging.getLogger(__name__)
+
+__all__ = ["Learner", "StepOptions", "compiles"]
 
 
 @dataclass(frozen=True)
 class StepOptions:
     """Ways to run the same optimizer step (bench/train.py --variants A/Bs them); the defaults are `dflash train`'s.
 
-    chunk_rows: rows of each chunk of the lm_head CE (None: about 1 GiB of fp32 logits; same loss to rounding).
+    chunk_rows: rows of each chunk of the lm_head CE (None: about 2.3 GiB of fp32 logits; same loss to rounding).
     few_syncs: the loss denominators, metric sums, FLOP counts and grad norm stay on the device and come to the
     host in one copy at the end of the step (equal numbers; the forward still waits once, for the counted rows).
     compile_layers: torch.compile each layer's parts around attention (norms, projections, RoPE, MLP, DFlash 2's
-    convolutions) with dynamic shapes; the same math to float rounding.
+    convolutions) with dynamic shapes; the same math to float rounding. None: as --compile-layers says (auto: on
+    CUDA).
     adamw: "fused" (one kernel per step on CUDA; the loop's) or "foreach".
     """
 
     chunk_rows: int | None = None
     few_syncs: bool = False
-    compile_layers: bool = False
+    compile_layers: bool | None = None
     adamw: str = "fused"
+
+
+def compiles(cfg: "TrainConfig", device: Any) -> bool:
+    """Return whether the drafter's layers are compiled for --compile-layers on this device (auto: on CUDA)."""
+    return cfg.compile_layers == "on" or (cfg.compile_layers == "auto" and device.type == "cuda")
 
 
 class Learner:
@@ -51,7 +60,8 @@ class Learner:
         self.options = options
         torch.manual_seed(cfg.seed)
         self.model = DFlashDrafter(dcfg).to(dev)  # fp32 master weights; compute is autocast to bf16
-        if options.compile_layers:
+        if compiles(cfg, dev) if options.compile_layers is None else options.compile_layers:
+            log.info("drafter layers: compiled with dynamic shapes (--compile-layers %s)", cfg.compile_layers)
             for layer in self.model.layers:
                 layer.compile_parts(dynamic=True)  # batches differ in blocks and context: one graph for all
         self.ddp = DDP(self.model, device_ids=[dev] if dev.type == "cuda" else None) if dist.world > 1 else self.model

@@ -147,6 +147,18 @@ def _model_files(model: str) -> tuple[Any, Any]:
         ) from None
 
 
+def _load_beside(cfg: "ExtractConfig", devices: list[str], complete: bool) -> bool:
+    """Return True if this process loads its target on a thread beside the rest of start-up.
+
+    One device in this process: its target is checked and loaded from the moment device and dtype are known,
+    beside reading the data, the header, the plan, the store and the first shard's tokenising (extract/loader.py
+    says why that is safe). A dry run measures with its own load; a complete store needs no model; several
+    devices each load their own in their spawned worker, which would only overlap reading its rows (a fraction of
+    a second) and would have to be taught the loader's refusal order for nothing.
+    """
+    return len(devices) == 1 and not cfg.dry_run and not complete
+
+
 def run(cfg: "ExtractConfig") -> dict[str, Any]:
     """Return the run summary after extracting every uncommitted shard of cfg.out (rerun the same config to resume)."""
     from .timeline import Timeline
@@ -165,11 +177,7 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
         stored, complete = _stored(cfg.out)
         cfg = _resolve_dtype(cfg, devices[0], stored)
     loader = None
-    if len(devices) == 1 and not cfg.dry_run and not complete:
-        # One device in this process: its target is checked and loaded on a thread from now on, beside reading
-        # the data, the header, the plan, the store and the first shard's tokenising (extract/loader.py says why
-        # that is safe). A dry run loads nothing; a complete store needs no model; several devices each load
-        # their own in their spawned worker, which has nothing else to overlap it with.
+    if _load_beside(cfg, devices, complete):
         loader = BackgroundLoad(cfg.model, model_config, devices[0], cfg.dtype, tl).start()
     else:
         with tl.stage("model_config"):

@@ -17,6 +17,7 @@ def load_target(path: str | os.PathLike, *, device: Any = "cpu", dtype: Any = "f
     On CUDA the weights load straight onto the GPU (not through host memory) where accelerate allows it.
     """
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
@@ -31,7 +32,7 @@ def load_target(path: str | os.PathLike, *, device: Any = "cpu", dtype: Any = "f
         except ImportError:  # device_map needs accelerate on some transformers versions: load via host memory
             kwargs.pop("device_map", None)
             model = AutoModelForCausalLM.from_pretrained(os.fspath(path), **kwargs)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # a folder without weights, broken weights
         raise InputError(
             f"{option} {path}: expected a Hugging Face causal LM folder (config.json + weights), "
             f"loading failed with {type(e).__name__}: {str(e).splitlines()[0][:200]}"

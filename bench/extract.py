@@ -16,7 +16,13 @@ Each case then runs
       batches the command ran (same tokenizer, template, shard plan and batch packing), in this process;
   (3) the raw write bandwidth of the store's folder (one large file, fsynced), for when the disk is the limit.
 Prints each figure and the ratios the issue asks for: steady / forward, (tokens / (wall - load)) / forward, the
-command's bytes/s over the raw disk write, and the totals of the command's own timeline (`--profile`).
+command's bytes/s over the raw disk write, and the totals of the command's own timeline (`--profile`). Before the
+first command, (0) the command's import set is timed in a fresh interpreter (`python -X importtime`): the total and
+the modules that cost most, the breakdown behind the timeline's import_* parts and the load's model_imports.
+
+"load" in (wall - load) is the target's load itself (CUDA init, from_pretrained, the runner), wherever it runs: a
+one-device command loads beside the rest of its start-up (the timeline's background model_load, with the main
+thread's model_wait), so the ratio shows how much of the other start-up that hides.
 """
 from __future__ import annotations
 
@@ -219,6 +225,59 @@ def settle() -> bool:
     return dropped
 
 
+# What `dflash extract` imports, as it imports it: the command line, the extract modules, transformers' config,
+# tokenizer and modeling code (the load's thread), the store's compressor, and flash-attn where installed (the
+# CUDA load picks it).
+IMPORT_SET = ("import dflash.cli, torch\n"
+              "from transformers import AutoConfig, AutoTokenizer\n"
+              "import numcodecs.blosc, dflash.storage\n"
+              "from dflash.extract import orchestrate, capture, header, loader, pipeline, progress, template, worker\n"
+              "import transformers.modeling_utils\n"
+              "try:\n    import flash_attn\nexcept ImportError:\n    pass\n")
+
+
+def import_breakdown(top: int = 15) -> dict:
+    """Return the command's import set timed in a fresh interpreter (-X importtime): the total, the wall of the
+    interpreter, and the `top` modules by cumulative time (a module's time includes what it imports)."""
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", IMPORT_SET], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"timing the imports failed:\n{done.stderr[-3000:]}")
+    rows = []
+    for line in done.stderr.splitlines():
+        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", line)
+        if m:
+            rows.append({"module": m.group(4), "depth": len(m.group(3)) // 2, "self_s": int(m.group(1)) / 1e6,
+                         "cumulative_s": int(m.group(2)) / 1e6})
+    total = sum(r["cumulative_s"] for r in rows if r["depth"] == 0)
+    best = sorted(rows, key=lambda r: -r["cumulative_s"])[:top]
+    return {"total_s": round(total, 3), "interpreter_wall_s": round(wall, 3), "modules": len(rows),
+            "top": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in best]}
+
+
+def format_imports(b: dict) -> str:
+    """Return the import breakdown in a few lines (depth: 0 is imported by the set itself, 1 by one of those...)."""
+    lines = [f"(0) the command's imports in a fresh interpreter: {b['total_s']:.2f} s over {b['modules']} modules "
+             f"(interpreter {b['interpreter_wall_s']:.2f} s); top {len(b['top'])} by cumulative time:"]
+    lines += [f"      {r['cumulative_s']:7.3f} s  {'  ' * r['depth']}{r['module']} (self {r['self_s']:.3f})"
+              for r in b["top"]]
+    return "\n".join(lines)
+
+
+def load_seconds(t: dict | None, summary_load: float) -> tuple[float, float, float]:
+    """Return (the target's load seconds, the main thread's model_wait, the load's seconds beside the main thread)
+    from a timeline: device init, from_pretrained and the runner, on whichever thread they ran (the summary's
+    'model loaded in' where there is no timeline)."""
+    if t is None:
+        return summary_load, 0.0, 0.0
+    parts, bg = t["parts"], t["background"]
+    beside = sum(bg.get(k, 0.0) for k in ("model_imports", "model_check", "device_init", "model_load"))
+    load = sum(parts.get(k, 0.0) for k in ("device_init", "model_load", "runner")) + \
+        sum(bg.get(k, 0.0) for k in ("device_init", "model_load"))
+    return load, parts.get("model_wait", 0.0), beside
+
+
 def run_command(model: Path, data: Path, store: Path, gpus: str, flags: list[str], log: Path,
                 profile: Path | None = None) -> dict:
     """Return the wall time and the summary figures of `dflash extract` run as a subprocess (and its timeline's
@@ -250,9 +309,11 @@ def run_command(model: Path, data: Path, store: Path, gpus: str, flags: list[str
     writer = re.search(r"writer thread waited .*", text)
     threads = re.search(r"(\d+) writer threads each", text)
     timeline = json.loads(profile.read_text())["workers"][0] if profile else None
+    target_load, model_wait, beside = load_seconds(timeline, load)
     line = re.search(r"timeline \S+: wall .*", text)
     return {"timeline": timeline, "timeline_line": line.group(0) if line else "", "command": " ".join(cmd), "wall_s": wall, "writer": writer.group(0) if writer else "", "startup_s": startup,
-            "writer_threads": int(threads.group(1)) if threads else None, "tokens": tokens, "bytes": nbytes, "load_s": load,
+            "writer_threads": int(threads.group(1)) if threads else None, "tokens": tokens, "bytes": nbytes, "load_s": round(target_load, 3),
+            "worker_ready_s": load, "model_wait_s": round(model_wait, 3), "load_beside_s": round(beside, 3),
             "first_commit_s": float(first.group(1)) if first else None, "steady_tok_s": steady,
             "forward_side_tok_s": forward, "page_cache_dropped": dropped}
 
@@ -315,8 +376,12 @@ def timeline_totals(t: dict) -> str:
         for k, v in row.items():
             if k != "shard":
                 per[k] = per.get(k, 0.0) + v / n
+    side = ", ".join(f"{k} {t['background'][k]:.2f}" for k in ("model_imports", "model_check", "device_init",
+                                                               "model_load") if k in t["background"])
+    load = (f"      target load beside the main thread (s): {side}; the main thread waited for it (model_wait) "
+            f"{t['parts'].get('model_wait', 0.0):.2f}\n") if side else ""
     return (f"    timeline: wall {t['wall_s']:.2f} s = parts {t['parts_sum_s']:.2f} + unaccounted {t['unaccounted_s']:.2f}\n"
-            f"      parts (s): {parts}\n"
+            f"      parts (s): {parts}\n" + load +
             f"      per shard (s, mean of {len(t['shards'])}): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per.items())))
 
 
@@ -365,6 +430,9 @@ def main() -> None:
     store_root.mkdir(parents=True, exist_ok=True)
     store = store_root / "store"
     runs = []
+    settle()
+    imports = import_breakdown()
+    print(format_imports(imports), flush=True)
     for case in (("short", "long") if args.case == "both" else (args.case,)):
         t0 = time.perf_counter()
         model, data, case_flags = prepare_case(case, work, device, config, args)
@@ -379,7 +447,8 @@ def main() -> None:
             cmd = run_command(model, data, store, "cpu" if args.smoke else "0", flags, work / f"extract-{name}.log",
                               profile=work / f"profile-{name}.json")
             print(f"(1) {cmd['command']}\n    wall {cmd['wall_s']:.1f} s, {cmd['tokens']:,} tokens, "
-                  f"{cmd['bytes'] / 1e9:.2f} GB; start-up to the plan ~{cmd['startup_s']} s, model load {cmd['load_s']:.1f} s, first commit {cmd['first_commit_s']} s "
+                  f"{cmd['bytes'] / 1e9:.2f} GB; start-up to the plan ~{cmd['startup_s']} s, model load {cmd['load_s']:.1f} s "
+                  f"(worker ready after {cmd['worker_ready_s']:.1f} s, model_wait {cmd['model_wait_s']:.1f} s), first commit {cmd['first_commit_s']} s "
                   f"after it; steady {cmd['steady_tok_s']:,.0f} tok/s (forward side {cmd['forward_side_tok_s']:,.0f}); "
                   f"{cmd['writer']}\n    {cmd['timeline_line']}\n{timeline_totals(cmd['timeline'])}", flush=True)
             if fwd is None and args.forward_from and saved(args.forward_from).is_file():
@@ -409,7 +478,7 @@ def main() -> None:
             print(f"    {r['variant']}: steady bytes/s / raw disk = {r['steady_bytes_over_raw_disk']:.3f}")
     print("summary: " + "; ".join(f"{r['variant']}: steady/forward {r['steady_over_forward']:.3f}, (whole - load)/"
                                   f"forward {r['whole_minus_load_over_forward']:.3f}" for r in runs))
-    figures = {"runs": runs, "store_dir": str(store_root), "disk_raw_bytes_s": round(raw) if raw == raw else None,
+    figures = {"runs": runs, "imports": imports, "store_dir": str(store_root), "disk_raw_bytes_s": round(raw) if raw == raw else None,
                "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.json:

@@ -75,37 +75,42 @@ def _file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:32]
 
 
-def _safetensors_part(f: Any, size: int, h: Any) -> bool:
-    """Hash a safetensors file's JSON header and the first and last bytes of every tensor; False if not one."""
+def _safetensors_part(f: Any, size: int, h: Any) -> str | None:
+    """Hash a safetensors file's JSON header and the first and last bytes of every tensor; return what is wrong
+    with the file instead when it is not a whole safetensors file (None when it is)."""
     import json
     import struct
 
     head = f.read(8)
     if len(head) < 8:
-        return False
+        return f"{size} bytes, less than the 8-byte header length"
     n = struct.unpack("<Q", head)[0]
     if not 0 < n <= size - 8:
-        return False
+        return f"a header length of {n:,} bytes in a file of {size:,}"
     meta = f.read(n)
     try:
         tensors = json.loads(meta)
     except ValueError:
-        return False
+        return "a header that is not JSON"
     h.update(head + meta)
     base = 8 + n
     try:
         spans = sorted(tuple(v["data_offsets"]) for k, v in tensors.items() if k != "__metadata__")
     except (AttributeError, KeyError, TypeError):
-        return False
+        return "a JSON header without tensor offsets"
+    last = max((end for _, end in spans), default=0)
+    if base + last > size:
+        return f"tensors up to byte {base + last:,} in a file of {size:,} (cut short)"
     for start, end in spans:
         for lo in sorted({start, max(start, end - _SAMPLE)}):
             f.seek(base + lo)
             h.update(f.read(min(_SAMPLE, end - lo)))
-    return True
+    return None
 
 
 def target_fingerprint(model_dir: str | os.PathLike) -> str:
-    """Return a cheap content fingerprint of a model folder's config and weights; InputError if it has no weights.
+    """Return a cheap content fingerprint of a model folder's config and weights; InputError if it has no weights
+    or a safetensors file that is not whole.
 
     Hashes config.json, every weight file's name and size, each safetensors file's JSON header (every tensor's
     name, dtype, shape and byte range), and the first and last 4 KiB of every tensor; other weight formats give
@@ -129,7 +134,15 @@ def target_fingerprint(model_dir: str | os.PathLike) -> str:
         size = p.stat().st_size
         h.update(f"\0{p.name}\0{size}\0".encode())
         with open(p, "rb") as f:
-            if p.suffix == ".safetensors" and _safetensors_part(f, size, h):
+            if p.suffix == ".safetensors":
+                # Checked here, before the store exists, so weights that cannot load refuse the run in one line
+                # and leave nothing behind (a load that failed later, beside the start-up, would not).
+                wrong = _safetensors_part(f, size, h)
+                if wrong is not None:
+                    raise InputError(
+                        f"--model {model_dir}: expected {p.name} to be a safetensors file (header length, JSON "
+                        f"header, tensor bytes), found {wrong}; re-download or re-save the model's weights"
+                    )
                 continue
             for k in range(_WINDOWS):
                 f.seek(k * max(0, size - _SAMPLE) // max(1, _WINDOWS - 1))

@@ -48,14 +48,16 @@ def _require_usable(bad: BadRowLog, total: int, data: tuple[str, ...]) -> None:
     )
 
 
-def _stored_header(url: str) -> dict[str, Any] | None:
-    """Return the header of the store at url, or None if there is none (yet) or it cannot be read."""
+def _stored(url: str) -> tuple[dict[str, Any] | None, bool]:
+    """Return (the header of the store at url, whether every shard of it is committed); (None, False) if there is
+    none (yet) or it cannot be read."""
     from ..storage import Store
 
     try:
-        return Store.open(url).header
+        store = Store.open(url)
     except StoreError:
-        return None
+        return None, False
+    return store.header, store.is_complete()
 
 
 def _resolve_dtype(cfg: "ExtractConfig", device: str, stored: dict[str, Any] | None) -> "ExtractConfig":
@@ -113,53 +115,125 @@ def _plan(cfg: "ExtractConfig", header: dict[str, Any], rows: list[Any], tokeniz
     return plan
 
 
+def _timed_imports(tl: Any) -> None:
+    """Import what the command needs, timed by what each part brings in (the timeline's import_* parts).
+
+    Each part counts only what is not imported yet (transformers comes after torch, which it imports), and what
+    the command line imported before run() shows in the timeline's `python` part: the parts are what this
+    process really spends, in its order.
+    """
+    with tl.stage("import_torch"):
+        import torch  # noqa: F401
+    with tl.stage("import_transformers"):
+        from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+    with tl.stage("import_storage"):
+        from numcodecs import blosc  # noqa: F401  (the store's compressor; its threads would import it later)
+
+        from .. import storage  # noqa: F401
+    with tl.stage("import_dflash"):
+        from . import capture, header, loader, progress, template, worker  # noqa: F401
+
+
+def _model_files(model: str) -> tuple[Any, Any]:
+    """Return (the model's config, its tokenizer); InputError if the folder has not both."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        return AutoConfig.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise InputError(
+            f"--model {model}: expected a Hugging Face model folder with config.json and a tokenizer; "
+            f"{str(e).splitlines()[0][:200]}"
+        ) from None
+
+
+def _load_beside(cfg: "ExtractConfig", devices: list[str], complete: bool) -> bool:
+    """Return True if this process loads its target on a thread beside the rest of start-up.
+
+    One device in this process: its target is checked and loaded from the moment device and dtype are known,
+    beside reading the data, the header, the plan, the store and the first shard's tokenising (extract/loader.py
+    says why that is safe). A dry run measures with its own load; a complete store needs no model. Several
+    devices keep the in-line load in each spawned worker: there it could only hide the worker's own row reading
+    and tokenizer load (a second or two; header, plan and store were made by this process before it spawned),
+    and all workers loading at once share the disk, so the load is the critical path either way.
+    """
+    return len(devices) == 1 and not cfg.dry_run and not complete
+
+
 def run(cfg: "ExtractConfig") -> dict[str, Any]:
     """Return the run summary after extracting every uncommitted shard of cfg.out (rerun the same config to resume)."""
     from .timeline import Timeline
 
     tl = Timeline()  # from this process's start: the parts of a one-device run add up to the command's wall time
-    with tl.stage("imports"):
-        from transformers import AutoConfig, AutoTokenizer
-
-        from ..storage import Store
-        from .capture import check_architecture
-        from .header import build_header, in_form_of
-        from .progress import Progress, format_summary, summarise
-        from .template import ChatEncoder, load_template
-        from .worker import WorkerSpec, auto_writer_threads, run_worker
+    _timed_imports(tl)
+    from .capture import check_architecture
+    from .loader import BackgroundLoad
 
     with tl.stage("model_config"):
-        try:
-            model_config = AutoConfig.from_pretrained(cfg.model)
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        except (OSError, ValueError) as e:
-            raise InputError(
-                f"--model {cfg.model}: expected a Hugging Face model folder with config.json and a tokenizer; "
-                f"{str(e).splitlines()[0][:200]}"
-            ) from None
-        check_architecture(model_config, cfg.model)
-        template = load_template(tokenizer, cfg.chat_template)
-    t0 = time.perf_counter()
-    with tl.stage("read"):
-        rows = read_rows(cfg.data)
-    log.info("read %d rows of %s in %.1f s", len(rows), ", ".join(cfg.data), time.perf_counter() - t0)
-    plan_t0 = time.perf_counter()
-    bad = _bad_rows(rows, cfg.strict)
-    report_bad_rows(bad)
-    _require_usable(bad, len(rows), cfg.data)
+        model_config, tokenizer = _model_files(cfg.model)
     ranks = ranks_from_env()
-    rank, local_rank = ranks.rank, (ranks.local_rank if ranks.world > 1 else None)
-    # Everything that can refuse the run (devices, data, a folder without weights) is checked before the store
-    # exists, so a refused run leaves no store behind.
-    devices = resolve_devices(cfg.gpus, local_rank)
-    stored = _stored_header(cfg.out)
-    cfg = _resolve_dtype(cfg, devices[0], stored)
-    header = in_form_of(build_header(cfg, model_config, tokenizer, template, rows), stored)
-    if cfg.dry_run or not cfg.force:
-        plan = _plan(cfg, header, rows, tokenizer, template, devices)
-        if cfg.dry_run:
-            return {"plan": plan.to_dict()}
-    tl.add("plan", time.perf_counter() - plan_t0)
+    local_rank = ranks.local_rank if ranks.world > 1 else None
+    with tl.stage("devices"):
+        devices = resolve_devices(cfg.gpus, local_rank)
+        stored, complete = _stored(cfg.out)
+        cfg = _resolve_dtype(cfg, devices[0], stored)
+    loader = None
+    if _load_beside(cfg, devices, complete):
+        loader = BackgroundLoad(cfg.model, model_config, devices[0], cfg.dtype, tl).start()
+    else:
+        with tl.stage("model_config"):
+            check_architecture(model_config, cfg.model)
+    try:
+        summary = _extract(cfg, tl, model_config, tokenizer, devices, stored, ranks.rank, local_rank, loader)
+    except Exception:
+        if loader is not None:
+            loader.close(wait=True)  # a refusal: no model keeps loading once run() has returned
+        raise
+    except BaseException:
+        if loader is not None:
+            loader.close(wait=False)  # Ctrl-C, SIGTERM: stop now, the process ends around the load
+        raise
+    if loader is not None:
+        loader.close(wait=True)  # a load nobody waited for (every shard claimed by peers) ends here, dropped
+    return summary
+
+
+def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, devices: list[str],
+             stored: dict[str, Any] | None, rank: int, local_rank: int | None, loader: Any) -> dict[str, Any]:
+    """Return the run summary (run()'s, once the device, the dtype and the model's files are known)."""
+    from ..errors import DflashError
+    from ..storage import Store
+    from .header import build_header, in_form_of
+    from .progress import Progress, format_summary, summarise
+    from .template import ChatEncoder, load_template
+    from .worker import WorkerSpec, auto_writer_threads, run_worker
+
+    # Everything that can refuse the run (devices, data, a folder without weights, an architecture dflash cannot
+    # run) is checked before the store exists, so a refused run leaves no store behind.
+    try:
+        with tl.stage("model_config"):
+            template = load_template(tokenizer, cfg.chat_template)
+        t0 = time.perf_counter()
+        with tl.stage("read"):
+            rows = read_rows(cfg.data)
+        log.info("read %d rows of %s in %.1f s", len(rows), ", ".join(cfg.data), time.perf_counter() - t0)
+        plan_t0 = time.perf_counter()
+        bad = _bad_rows(rows, cfg.strict)
+        report_bad_rows(bad)
+        _require_usable(bad, len(rows), cfg.data)
+        header = in_form_of(build_header(cfg, model_config, tokenizer, template, rows), stored)
+        if cfg.dry_run or not cfg.force:
+            plan = _plan(cfg, header, rows, tokenizer, template, devices)
+            if cfg.dry_run:
+                return {"plan": plan.to_dict()}
+        tl.add("plan", time.perf_counter() - plan_t0)
+        if loader is not None:
+            with tl.stage("model_wait"):
+                loader.checked()
+    except DflashError:
+        if loader is not None:
+            loader.checked()  # the architecture's refusal comes first, as when it was checked before the data
+        raise
     store_t0 = time.perf_counter()
     try:
         # A store left by a run that failed before its first shard holds nothing: other options may take it over.
@@ -201,7 +275,8 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
             # The tokenizer read above serves the worker too (a second load cost a second of start-up).
             encoder = (ChatEncoder(tokenizer, template, cfg.max_length, cfg.chat_template_kwargs),
                        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-            results = [run_worker(cfg, specs[0], rows, progress.update, timeline=tl, encoder=encoder)]
+            results = [run_worker(cfg, specs[0], rows, progress.update, timeline=tl, encoder=encoder,
+                                  model=loader.result if loader is not None else None)]
         else:
             results = _run_spawned(cfg, specs, progress)
     finally:

@@ -2,8 +2,9 @@
 
 The worker's main thread (start-up, then per shard: waiting for the tokenised shard, packing, the forward, waiting
 for a free host buffer) is timed in intervals that do not overlap, so its parts add up to the worker's wall time:
-what they miss shows as `unaccounted_s`. The threads beside it (tokeniser, writer, the store's compression pool)
-are timed per shard as well; their seconds overlap the main thread's and are reported apart, as background.
+what they miss shows as `unaccounted_s`. The threads beside it (the target's load during start-up, the tokeniser,
+the writer, the store's compression pool) are timed as well, per shard where they work on one; their seconds
+overlap the main thread's and are reported apart, as background.
 """
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ import threading
 import time
 from typing import Any, Iterator
 
-__all__ = ["Timeline", "process_start", "MAIN_ORDER", "format_line", "write_profile"]
+__all__ = ["Timeline", "process_start", "MAIN_ORDER", "STARTUP_BACKGROUND", "format_line", "write_profile"]
 
 log = logging.getLogger(__name__)
 
 # The main thread's parts in the order they happen (start-up, the shards, the end); others follow in name order.
-MAIN_ORDER = ("python", "imports", "model_config", "read", "plan", "store", "tokenizer", "device_init",
-              "model_wait", "model_load", "claim",
-              "wait_tokenise", "pack", "forward", "wait_buffer", "drain", "summary")
+# The command's imports are split by what they bring in (orchestrate.IMPORTS); `python` is everything before.
+MAIN_ORDER = ("python", "import_torch", "import_transformers", "import_storage", "import_dflash", "model_config",
+              "devices", "read", "plan", "store", "tokenizer", "device_init", "model_wait", "model_load", "runner",
+              "claim", "wait_tokenise", "pack", "forward", "wait_buffer", "drain", "summary")
 # Per-shard parts of the main thread (these sum to wall with the start-up ones) and of the threads beside it.
 SHARD_MAIN = ("claim", "wait_tokenise", "pack", "forward", "wait_buffer")
+# Start-up work beside the main thread: the target loaded on its own thread (extract/loader.py).
+STARTUP_BACKGROUND = ("model_imports", "model_check", "device_init", "model_load")
 SHARD_BACKGROUND = ("tokenise", "copy", "copy_device", "sink", "compress", "write_fsync", "commit", "commit_wait",
                     "commit_files")
 
@@ -43,20 +47,25 @@ def process_start() -> float:
 
 
 class Timeline:
-    """Seconds per stage of one worker; `main` parts (one thread, no overlap) and per-shard rows. Thread-safe."""
+    """Seconds per stage of one worker; `main` parts (one thread, no overlap), per-shard rows and start-up work
+    beside the main thread (`side`). Thread-safe."""
 
     def __init__(self, origin: float | None = None, *, sync: Any = None) -> None:
         self.origin = process_start() if origin is None else origin
         self.sync = sync  # called at a stage's end when profiling a device whose work is asynchronous (CUDA)
         self.main: dict[str, float] = {}
         self.shards: dict[int, dict[str, float]] = {}
+        self.side: dict[str, float] = {}
         self._lock = threading.Lock()
         self._last = time.perf_counter()
         self.add("python", self._last - self.origin)  # interpreter start and the command line's own imports
 
     def add(self, name: str, seconds: float, shard: int | None = None, *, main: bool = True) -> None:
-        """Add seconds to a stage (of the shard's row when given; to the main thread's parts when main)."""
+        """Add seconds to a stage (of the shard's row when given; to the main thread's parts when main; to the
+        start-up work beside the main thread when neither)."""
         with self._lock:
+            if shard is None and not main:
+                self.side[name] = self.side.get(name, 0.0) + seconds
             if shard is not None:
                 row = self.shards.setdefault(int(shard), {})
                 row[name] = row.get(name, 0.0) + seconds
@@ -80,16 +89,18 @@ class Timeline:
             self.add(name, time.perf_counter() - t0, shard, main=main)
 
     def to_dict(self, end: float | None = None, **extra: Any) -> dict[str, Any]:
-        """Return the timeline as JSON-ready numbers: parts, their sum, the wall, per-shard rows, background totals."""
+        """Return the timeline as JSON-ready numbers: parts, their sum, the wall, per-shard rows, background totals
+        (start-up work beside the main thread, then the shards' threads)."""
         end = time.perf_counter() if end is None else end
         with self._lock:
             main = dict(self.main)
             shards = {k: dict(v) for k, v in self.shards.items()}
+            side = dict(self.side)
         wall = end - self.origin
         names = [n for n in MAIN_ORDER if n in main] + sorted(set(main) - set(MAIN_ORDER))
         parts = {n: round(main[n], 4) for n in names}
         total = sum(main.values())
-        background: dict[str, float] = {}
+        background: dict[str, float] = dict(side)
         for row in shards.values():
             for n, s in row.items():
                 if n not in SHARD_MAIN:
@@ -113,10 +124,12 @@ def format_line(worker: dict[str, Any]) -> str:
     n = max(1, len(worker["shards"]))
     ups = ", ".join(f"{k} {p[k]:.1f}" for k in p if k not in SHARD_MAIN and k not in ("drain", "summary"))
     per = ", ".join(f"{k} {p[k]:.2f}" for k in SHARD_MAIN if k in p)
-    bg = ", ".join(f"{k} {v:.2f}" for k, v in worker["background"].items())
+    side = ", ".join(f"{k} {worker['background'][k]:.1f}" for k in STARTUP_BACKGROUND if k in worker["background"])
+    bg = ", ".join(f"{k} {v:.2f}" for k, v in worker["background"].items() if k not in STARTUP_BACKGROUND)
     return (f"timeline {worker.get('device', '')}: wall {worker['wall_s']:.1f} s = start-up {start:.1f} ({ups}) + "
             f"{len(worker['shards'])} shards {shards:.1f} ({per}; {shards / n:.2f} s/shard) + drain/summary "
-            f"{end:.1f} + unaccounted {worker['unaccounted_s']:.2f}; beside it: {bg} s")
+            f"{end:.1f} + unaccounted {worker['unaccounted_s']:.2f}; beside it: "
+            + (f"target load ({side}), " if side else "") + f"{bg} s")
 
 
 def write_profile(path: str, workers: list[dict[str, Any]], **extra: Any) -> None:

@@ -135,8 +135,10 @@ def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, 
     profile = bool(getattr(cfg, "profile", None))
     if timeline is not None and profile and dev.type == "cuda":
         timeline.sync = lambda: torch.cuda.synchronize(dev)
-    with stage("model_load"):
-        model = model if model is not None else load_target(cfg.model, dev, getattr(torch, cfg.dtype))
+    if model is None:
+        with stage("model_load"):
+            model = load_target(cfg.model, dev, getattr(torch, cfg.dtype))
+    with stage("runner"):  # the truncated runner and its self-check against the full model
         runner = TargetRunner(model, header["layer_ids"])
     return FeaturePipeline(runner, cfg.batch_tokens, pad_id=pad_id, on_batch=on_batch, timeline=timeline,
                            profile=profile)

@@ -26,12 +26,17 @@ def test_profile_parts_sum_to_wall(tmp_path: Path) -> None:
     w = doc["workers"][0]
     # The main thread's parts are timed intervals that never overlap: together they must cover the wall time.
     assert abs(sum(w["parts"].values()) - w["wall_s"]) <= 0.05 * w["wall_s"], w
-    for part in ("imports", "model_config", "read", "model_load", "forward", "pack"):
+    for part in ("import_torch", "import_transformers", "import_storage", "import_dflash", "model_config", "read",
+                 "model_wait", "runner", "forward", "pack"):
         assert w["parts"].get(part, 0) > 0, (part, w["parts"])
+    # One device: the target is checked and loaded beside the main thread, which only waits for it.
+    assert "model_load" not in w["parts"] and "model_check" not in w["parts"], w["parts"]
+    for part in ("model_imports", "model_check", "model_load"):
+        assert w["background"].get(part, 0) > 0, (part, w["background"])
     store = Store.open(str(out))
     rows = {r["shard"]: r for r in w["shards"]}
     assert sorted(rows) == list(range(store.num_shards)) == store.committed_ids()
     for r in rows.values():
         for part in ("tokenise", "forward", "sink", "compress", "write_fsync", "commit"):
             assert r.get(part, 0) > 0, (part, r)
-    assert "timeline cpu: wall" in done.stderr
+    assert "timeline cpu: wall" in done.stderr and "beside it: target load (model_imports" in done.stderr

@@ -414,6 +414,9 @@ def main() -> None:
                          "[default: one run with the command's defaults]")
     ap.add_argument("--raw-gb", type=float, default=8.0, help="size of the raw disk write (3); 0 skips it")
     ap.add_argument("--keep-store", action="store_true")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="run the command without --profile, as users do (no synchronize after each forward); the "
+                         "model load is then the summary's 'model loaded in' (worker ready)")
     ap.add_argument("--forward-to", default=None, help="save the truncated forward's figures here (JSON; the case "
                                                        "name is added)")
     ap.add_argument("--forward-from", default=None, help="reuse figures saved by --forward-to for the same data")
@@ -445,12 +448,13 @@ def main() -> None:
             flags = case_flags + [x for k, v in opts.items() for x in (f"--{k}", v)]
             name = f"{case}-" + ("-".join(f"{k}{v}" for k, v in opts.items()) or "defaults")
             cmd = run_command(model, data, store, "cpu" if args.smoke else "0", flags, work / f"extract-{name}.log",
-                              profile=work / f"profile-{name}.json")
+                              profile=None if args.no_profile else work / f"profile-{name}.json")
             print(f"(1) {cmd['command']}\n    wall {cmd['wall_s']:.1f} s, {cmd['tokens']:,} tokens, "
                   f"{cmd['bytes'] / 1e9:.2f} GB; start-up to the plan ~{cmd['startup_s']} s, model load {cmd['load_s']:.1f} s "
                   f"(worker ready after {cmd['worker_ready_s']:.1f} s, model_wait {cmd['model_wait_s']:.1f} s), first commit {cmd['first_commit_s']} s "
                   f"after it; steady {cmd['steady_tok_s']:,.0f} tok/s (forward side {cmd['forward_side_tok_s']:,.0f}); "
-                  f"{cmd['writer']}\n    {cmd['timeline_line']}\n{timeline_totals(cmd['timeline'])}", flush=True)
+                  f"{cmd['writer']}\n    {cmd['timeline_line']}\n"
+                  f"{timeline_totals(cmd['timeline']) if cmd['timeline'] else '    (no --profile)'}", flush=True)
             if fwd is None and args.forward_from and saved(args.forward_from).is_file():
                 fwd = json.loads(saved(args.forward_from).read_text())
             if fwd is None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import InputError
+from .decoded import Decoded, cut_at_stop
 from .model import DFlashDrafter, draft_tokens
 
 __all__ = [
@@ -41,24 +41,6 @@ log = logging.getLogger(__name__)
 
 # propose(context_features [S, n*H], anchor_id, anchor_pos) -> draft token ids [B-1] for positions anchor_pos+1...
 Proposer = Callable[[torch.Tensor, int, int], torch.Tensor]
-
-
-@dataclass
-class Decoded:
-    """One decoded answer: generated token ids, tokens gained per verified block, and target forward passes.
-
-    Invariants: len(tokens) == 1 + sum(accepted) for speculative decoding (the prefill gives the first token);
-    forwards == 1 + len(accepted); greedy decoding has no blocks and one forward per token.
-    """
-
-    tokens: list[int]
-    forwards: int
-    accepted: list[int] = field(default_factory=list)
-
-    @property
-    def tau(self) -> float:
-        """Return the mean acceptance length: tokens gained per verified block (accepted drafts + 1); 0 if none."""
-        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
 
 
 def load_target(path: str | os.PathLike, *, device: torch.device | str = "cpu",
@@ -115,14 +97,6 @@ def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def _cut(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple[list[int], bool]:
-    """Return (tokens cut after the first stop token or at max_new_tokens, whether decoding is finished)."""
-    for i, t in enumerate(tokens[:max_new_tokens]):
-        if t in stop_ids:
-            return tokens[: i + 1], True
-    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
-
-
 def _with_cache(target: Any, cache: Any) -> dict[str, Any]:
     """Return the keyword that hands `cache` to the target's forward: `cache` in recent transformers releases,
     `past_key_values` before. An unknown keyword would vanish into **kwargs and every forward would see no context."""
@@ -158,7 +132,7 @@ def greedy_decode(target: Any, prompt_ids: Sequence[int], *, max_new_tokens: int
         forwards += 1
         tok = int(_choose(logits[0, -1:], temperature, generator)[0])
         out.append(tok)
-        out, done = _cut(out, max_new_tokens, stops)
+        out, done = cut_at_stop(out, max_new_tokens, stops)
         if done:
             return Decoded(tokens=out, forwards=forwards)
         ids = torch.tensor([[tok]], device=device)
@@ -189,7 +163,7 @@ def speculative_decode(target: Any, propose: Proposer, prompt_ids: Sequence[int]
     tokens = [int(_choose(out.logits[0, -1:], temperature, generator)[0])]
     accepted: list[int] = []
     forwards = 1
-    tokens, done = _cut(tokens, max_new_tokens, stops)
+    tokens, done = cut_at_stop(tokens, max_new_tokens, stops)
     while not done:
         anchor_pos = context.shape[0]  # the newest token: known, but not yet run through the target
         drafts = propose(context, tokens[-1], anchor_pos)[: block_size - 1].to(device)
@@ -200,7 +174,7 @@ def speculative_decode(target: Any, propose: Proposer, prompt_ids: Sequence[int]
         match = (block[0, 1:] == choice[:-1]).int()
         n_ok = int(match.cumprod(0).sum())
         new = block[0, 1:1 + n_ok].tolist() + [int(choice[n_ok])]
-        kept, done = _cut(tokens + new, max_new_tokens, stops)
+        kept, done = cut_at_stop(tokens + new, max_new_tokens, stops)
         accepted.append(len(kept) - len(tokens))
         tokens = kept
         # Keep the cache and the context for the anchor and the accepted drafts; the rejected tail is forgotten.

@@ -24,6 +24,7 @@ import torch
 from torch.nn import functional as F
 
 from ..static_kv import StaticTarget, fast_unsupported
+from .decoded import Decoded, cut_at_stop
 from .model import DFlashDrafter, DFlash2Layer, apply_rope, block_embeddings, unary_logits
 
 __all__ = ["StaticDrafter", "StaticDecoder", "static_unsupported", "BUCKET"]
@@ -124,13 +125,11 @@ class StaticDecoder:
     """Greedy speculative decoding and plain greedy decoding of one target and drafter on static caches.
 
     max_len bounds prompt + new tokens (it sizes the caches); graphs for every width bucket are captured once,
-    here, and serve every prompt. `speculative` and `greedy` return decode.Decoded, as the dynamic loop does.
+    here, and serve every prompt. `speculative` and `greedy` return Decoded, as the dynamic loop does.
     """
 
     def __init__(self, target: Any, drafter: DFlashDrafter, *, max_len: int, cuda_graphs: bool | None = None,
                  sync_every: int | None = None) -> None:
-        from .decode import Decoded
-
         self.Decoded = Decoded
         cfg = drafter.config
         self.B = cfg.block_size
@@ -241,14 +240,12 @@ class StaticDecoder:
     @torch.inference_mode()
     def speculative(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> Any:
         """Return decode.Decoded of greedy speculative decoding (as decode.speculative_decode at temperature 0)."""
-        from .decode import _cut
-
         S = len(prompt_ids)
         if S + max_new_tokens > self.max_len - self.B - self.sync_every - 1:
             raise ValueError(f"{S} + {max_new_tokens} tokens do not fit the static decoder's {self.max_len} columns")
         stops = {int(s) for s in stop_ids}
         first = self._prefill(prompt_ids, stop_ids, features=True)
-        tokens, done = _cut([first], max_new_tokens, stops)
+        tokens, done = cut_at_stop([first], max_new_tokens, stops)
         if done:
             return self.Decoded(tokens=tokens, forwards=1)
         gains: list[int] = []
@@ -261,26 +258,24 @@ class StaticDecoder:
             if stopped or 1 + n >= max_new_tokens:
                 break
         full = [first] + self.out[:n].tolist()
-        kept, _ = _cut(full, max_new_tokens, stops)
+        kept, _ = cut_at_stop(full, max_new_tokens, stops)
         gains[-1] -= len(full) - len(kept)
         return self.Decoded(tokens=kept, forwards=1 + len(gains), accepted=gains)
 
     @torch.inference_mode()
     def greedy(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> Any:
         """Return decode.Decoded of plain greedy decoding (forwards: one per token, the baseline's count)."""
-        from .decode import _cut
-
         S = len(prompt_ids)
         if S + max_new_tokens > self.max_len - self.B - self.sync_every - 1:
             raise ValueError(f"{S} + {max_new_tokens} tokens do not fit the static decoder's {self.max_len} columns")
         stops = {int(s) for s in stop_ids}
         first = self._prefill(prompt_ids, stop_ids, features=False)
-        tokens, done = _cut([first], max_new_tokens, stops)
+        tokens, done = cut_at_stop([first], max_new_tokens, stops)
         pos, n = S, 0
         while not done:
             for _ in range(self.sync_every):
                 self._run("step", self._width(pos + 1))
                 pos += 1
             n += self.sync_every
-            tokens, done = _cut([first] + self.out[:n].tolist(), max_new_tokens, stops)
+            tokens, done = cut_at_stop([first] + self.out[:n].tolist(), max_new_tokens, stops)
         return self.Decoded(tokens=tokens, forwards=max(1, len(tokens)))  # the prefill runs even for 0 new tokens

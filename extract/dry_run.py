@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

@@ -130,7 +130,6 @@ class StaticDecoder:
 
     def __init__(self, target: Any, drafter: DFlashDrafter, *, max_len: int, cuda_graphs: bool | None = None,
                  sync_every: int | None = None) -> None:
-        self.Decoded = Decoded
         cfg = drafter.config
         self.B = cfg.block_size
         self.device = target.lm_head.weight.device
@@ -237,17 +236,23 @@ class StaticDecoder:
         self.pos.fill_(S)
         return int(first[0])
 
-    @torch.inference_mode()
-    def speculative(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> Any:
-        """Return decode.Decoded of greedy speculative decoding (as decode.speculative_decode at temperature 0)."""
+    def _start(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int],
+               features: bool) -> tuple[int, set[int], int, list[int], bool]:
+        """Return (prompt length, stop ids, first token, the answer so far, whether it is done) after the prefill."""
         S = len(prompt_ids)
         if S + max_new_tokens > self.max_len - self.B - self.sync_every - 1:
             raise ValueError(f"{S} + {max_new_tokens} tokens do not fit the static decoder's {self.max_len} columns")
         stops = {int(s) for s in stop_ids}
-        first = self._prefill(prompt_ids, stop_ids, features=True)
+        first = self._prefill(prompt_ids, stop_ids, features=features)
         tokens, done = cut_at_stop([first], max_new_tokens, stops)
+        return S, stops, first, tokens, done
+
+    @torch.inference_mode()
+    def speculative(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> Any:
+        """Return Decoded of greedy speculative decoding (as decode.speculative_decode at temperature 0)."""
+        S, stops, first, tokens, done = self._start(prompt_ids, max_new_tokens, stop_ids, features=True)
         if done:
-            return self.Decoded(tokens=tokens, forwards=1)
+            return Decoded(tokens=tokens, forwards=1)
         gains: list[int] = []
         pos, n = S, 0
         while True:
@@ -260,17 +265,12 @@ class StaticDecoder:
         full = [first] + self.out[:n].tolist()
         kept, _ = cut_at_stop(full, max_new_tokens, stops)
         gains[-1] -= len(full) - len(kept)
-        return self.Decoded(tokens=kept, forwards=1 + len(gains), accepted=gains)
+        return Decoded(tokens=kept, forwards=1 + len(gains), accepted=gains)
 
     @torch.inference_mode()
     def greedy(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> Any:
-        """Return decode.Decoded of plain greedy decoding (forwards: one per token, the baseline's count)."""
-        S = len(prompt_ids)
-        if S + max_new_tokens > self.max_len - self.B - self.sync_every - 1:
-            raise ValueError(f"{S} + {max_new_tokens} tokens do not fit the static decoder's {self.max_len} columns")
-        stops = {int(s) for s in stop_ids}
-        first = self._prefill(prompt_ids, stop_ids, features=False)
-        tokens, done = cut_at_stop([first], max_new_tokens, stops)
+        """Return Decoded of plain greedy decoding (forwards: one per token, the baseline's count)."""
+        S, stops, first, tokens, done = self._start(prompt_ids, max_new_tokens, stop_ids, features=False)
         pos, n = S, 0
         while not done:
             for _ in range(self.sync_every):
@@ -278,4 +278,4 @@ class StaticDecoder:
                 pos += 1
             n += self.sync_every
             tokens, done = cut_at_stop([first] + self.out[:n].tolist(), max_new_tokens, stops)
-        return self.Decoded(tokens=tokens, forwards=max(1, len(tokens)))  # the prefill runs even for 0 new tokens
+        return Decoded(tokens=tokens, forwards=max(1, len(tokens)))  # the prefill runs even for 0 new tokens

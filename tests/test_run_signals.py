@@ -24,12 +24,15 @@ from test_run import EXTRACT, children, committed, dflash, run_argv
 from test_train_run import losses
 
 supervise = importlib.import_module("dflash.run.supervise")  # the package's name `supervise` is the function
+stage = importlib.import_module("dflash.run.stage")  # where Stage and its SWEEP_S live
 
 RESUME = "dflash run: stopped; rerun the same command to resume extraction and training"
 # Enough rows that extraction is still going when training has made its first step (each stage needs seconds to
 # start on cpu); one slot so training starts on the first committed shard.
 ROWS = 1200
-MAX_STEPS = 300
+# Far more steps than a stage makes between its first checkpoint and the signal (the test asserts it), and few
+# enough that the resumed run's remaining steps take seconds.
+MAX_STEPS = 80
 SHARDS = ROWS // 8  # test_run's EXTRACT: shards of 8 rows
 TRAIN_FLAGS = ["--grad-accum", "1", "--max-steps", str(MAX_STEPS), "--save-every", "5", "--keep", "2"]
 STOP_TIMEOUT = 90  # the supervisor's stop waits for both stages to unwind; far below its 60 s SIGKILL per stage
@@ -213,7 +216,7 @@ time.sleep(300)
 
 
 def test_what_a_stage_leaves_in_its_process_group_is_killed(tmp_path, monkeypatch):
-    monkeypatch.setattr(supervise, "SWEEP_S", 0.5, raising=False)
+    monkeypatch.setattr(stage, "SWEEP_S", 0.5)
     st = supervise.Stage("stage", tmp_path / "stage.log")
     st.proc = subprocess.Popen([sys.executable, "-c", GROUP_LEADER], stdout=subprocess.PIPE, text=True,
                                start_new_session=True)

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random targets built offline, hub access switched off, the gpu marker."""
+"""Shared fixtures: tiny random targets built offline, the converted SmolLM2 folder, hub access switched off, the gpu
+marker."""
 from __future__ import annotations
 
 import os
@@ -41,3 +42,40 @@ def tiny_llama(tmp_path_factory):
     from dflash.testing import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+_CONVERT = "from dflash.assets import smollm2_folder; print(smollm2_folder())"
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """Convert the SmolLM2 GGUF into a fresh cache with two processes at once; both must return the same complete
+    folder. Session-wide: test_assets checks the conversion, test_demo runs on the folder (DFLASH_CACHE=its parent)
+    instead of converting again."""
+    import subprocess
+    import sys
+
+    from dflash import assets
+
+    cache = tmp_path_factory.mktemp("dflash-cache")
+    # What a converter killed two hours ago leaves behind; the next conversion clears it away.
+    orphan = cache / f".{assets.SMOLLM2_FOLDER_NAME}.99999.deadbeef.tmp"
+    orphan.mkdir()
+    (orphan / "model.safetensors").write_bytes(b"partial")
+    old = os.stat(orphan).st_mtime - 7200
+    os.utime(orphan, (old, old))
+    env = {**os.environ, "DFLASH_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _CONVERT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    paths = {out.strip().splitlines()[-1] for out, _ in outs}
+    folder = cache / assets.SMOLLM2_FOLDER_NAME
+    assert paths == {str(folder)}
+    # Exactly the published folder: the losing process removed its temporary copy, and the orphan is gone.
+    assert sorted(p.name for p in cache.iterdir()) == [assets.SMOLLM2_FOLDER_NAME]
+    return folder

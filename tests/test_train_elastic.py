@@ -3,6 +3,7 @@ slots (ranks x grad-accum) stay the same; a GPU count that cannot share the slot
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,13 +50,10 @@ def test_resume_takes_grad_accum_from_the_recorded_slots(tmp_path):
     assert resume_grad_accum(fresh, 3) is fresh  # nothing recorded yet: the options decide
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 4])
-def test_two_ranks_resumed_on_another_count_give_the_uninterrupted_losses(store, tiny_qwen3, tmp_path, two_rank_run,
-                                                                          world):
-    expected = two_rank_run
-    assert len(expected) >= 8
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def killed_two_rank_run(store, tiny_qwen3, tmp_path_factory) -> Path:
+    """The same 2-rank run SIGKILLed once it has its step-4 checkpoint (each test resumes a copy)."""
+    run = tmp_path_factory.mktemp("elastic-killed") / "run"
     p = torchrun(2, run, store, tiny_qwen3, grad_accum=2)
     deadline = time.monotonic() + 300
     while not (run / "checkpoints" / "step-000004").is_dir():
@@ -73,6 +71,17 @@ def test_two_ranks_resumed_on_another_count_give_the_uninterrupted_losses(store,
     holder = json.loads(lock.read_text())["pid"] if lock.is_file() else None
     while holder is not None and pid_alive(holder) and time.monotonic() < deadline:
         time.sleep(0.05)
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 4])
+def test_two_ranks_resumed_on_another_count_give_the_uninterrupted_losses(store, tiny_qwen3, tmp_path, two_rank_run,
+                                                                          killed_two_rank_run, world):
+    expected = two_rank_run
+    assert len(expected) >= 8
+    run = tmp_path / "run"
+    shutil.copytree(killed_two_rank_run, run)
     if world == 1:
         train(**opts(store, tiny_qwen3, run, resume=True, **KW))  # --grad-accum left at 1: the run's slots decide
     else:

@@ -106,9 +106,9 @@ class StaticTarget:
         cv.index_copy_(2, positions, v)
         # The query heads of one kv head act as that head's queries: grouped-query attention without copying keys.
         qg = q.reshape(1, self.kv_heads, rep * t, d)
-        if self.fp32_cuda:
+        if self.fp32_cuda:  # here mask marks what each query must not see (forward inverts it once)
             scores = (qg * attn.scaling) @ ck[:, :, :width].transpose(-1, -2)
-            out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ cv[:, :, :width]
+            out = scores.masked_fill(mask, float("-inf")).softmax(-1) @ cv[:, :, :width]
         else:
             out = F.scaled_dot_product_attention(qg, ck[:, :, :width], cv[:, :, :width], attn_mask=mask,
                                                  scale=attn.scaling)
@@ -123,6 +123,8 @@ class StaticTarget:
         cos, sin = self.inner.rotary_emb(x, positions[None])
         rep = self.heads // self.kv_heads
         mask = (self.cols[:width][None, :] <= positions[:, None]).repeat(rep, 1)[None, None]  # [1, 1, rep*t, width]
+        if self.fp32_cuda:
+            mask = ~mask  # the columns to hide, as _attend's masked_fill takes them: once, not once per layer
         last = len(self.inner.layers) - 1
         taken: dict[int, Any] = {}
         for i, (layer, cache) in enumerate(zip(self.inner.layers, self.cache)):

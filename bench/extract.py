@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from dflash.testing import QWEN3_8B_CONFIG
+from dflash.extract.timeline import STARTUP_BACKGROUND
 
 # --smoke: the same code path on the CPU with a small Qwen3, to check the script before spending GPU time.
 SMOKE_CONFIG = {**QWEN3_8B_CONFIG, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8,
@@ -272,7 +273,7 @@ def load_seconds(t: dict | None, summary_load: float) -> tuple[float, float, flo
     if t is None:
         return summary_load, 0.0, 0.0
     parts, bg = t["parts"], t["background"]
-    beside = sum(bg.get(k, 0.0) for k in ("model_imports", "model_check", "device_init", "model_load"))
+    beside = sum(bg.get(k, 0.0) for k in STARTUP_BACKGROUND)
     load = sum(parts.get(k, 0.0) for k in ("device_init", "model_load", "runner")) + \
         sum(bg.get(k, 0.0) for k in ("device_init", "model_load"))
     return load, parts.get("model_wait", 0.0), beside
@@ -376,8 +377,7 @@ def timeline_totals(t: dict) -> str:
         for k, v in row.items():
             if k != "shard":
                 per[k] = per.get(k, 0.0) + v / n
-    side = ", ".join(f"{k} {t['background'][k]:.2f}" for k in ("model_imports", "model_check", "device_init",
-                                                               "model_load") if k in t["background"])
+    side = ", ".join(f"{k} {t['background'][k]:.2f}" for k in STARTUP_BACKGROUND if k in t["background"])
     load = (f"      target load beside the main thread (s): {side}; the main thread waited for it (model_wait) "
             f"{t['parts'].get('model_wait', 0.0):.2f}\n") if side else ""
     return (f"    timeline: wall {t['wall_s']:.2f} s = parts {t['parts_sum_s']:.2f} + unaccounted {t['unaccounted_s']:.2f}\n"

@@ -20,7 +20,7 @@ __all__ = ["Timeline", "process_start", "MAIN_ORDER", "STARTUP_BACKGROUND", "for
 log = logging.getLogger(__name__)
 
 # The main thread's parts in the order they happen (start-up, the shards, the end); others follow in name order.
-# The command's imports are split by what they bring in (orchestrate.IMPORTS); `python` is everything before.
+# The command's imports are split by what they bring in (orchestrate._timed_imports); `python` is all before.
 MAIN_ORDER = ("python", "import_torch", "import_transformers", "import_storage", "import_dflash", "model_config",
               "devices", "read", "plan", "store", "tokenizer", "device_init", "model_wait", "model_load", "runner",
               "claim", "wait_tokenise", "pack", "forward", "wait_buffer", "drain", "summary")

@@ -279,8 +279,8 @@ class ExtractConfig(StageConfig):
     profile: str | None = option(
         None, metavar="FILE",
         help="Write each worker's timeline as JSON to FILE: seconds of start-up (imports, device, model load, data, "
-             "plan) and per shard (tokenise, pack, forward, copy, waits, compress, write+fsync, commit). Times the "
-             "device exactly (a synchronize after each forward), so it may run a little slower.")
+             "plan) and per shard (tokenise, pack, forward, copy, waits, compress, write+fsync, commit); on CUDA also "
+             "the device's time in each forward and idle between them (events, no synchronize: it runs as fast).")
 
     def __post_init__(self) -> None:
         _check(bool(self.data), "--data needs at least one file or folder")

@@ -165,6 +165,23 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
     from .timeline import Timeline
 
     tl = Timeline()  # from this process's start: the parts of a one-device run add up to the command's wall time
+    prefetch = _prefetch(cfg, tl)
+    try:
+        return _run(cfg, tl)
+    finally:
+        prefetch.close()
+
+
+def _prefetch(cfg: "ExtractConfig", tl: Any) -> Any:
+    """Start reading the target's weight files into the page cache, beside the imports (target.WeightPrefetch)."""
+    from ..target import WeightPrefetch
+
+    prefetch = WeightPrefetch(cfg.model, on_done=lambda s: tl.add("model_prefetch", s, main=False))
+    return prefetch.start()
+
+
+def _run(cfg: "ExtractConfig", tl: Any) -> dict[str, Any]:
+    """Return run()'s summary (its timeline started, the weights being read)."""
     _timed_imports(tl)
     from .capture import check_architecture
     from .loader import BackgroundLoad
@@ -206,7 +223,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
     from .header import build_header, in_form_of
     from .progress import Progress, format_summary, summarise
     from .template import ChatEncoder, load_template
-    from .worker import WorkerSpec, auto_writer_threads, run_worker
+    from .worker import WorkerSpec, auto_writer_threads, host_buffers, run_worker
 
     # Everything that can refuse the run (devices, data, a folder without weights, an architecture dflash cannot
     # run) is checked before the store exists, so a refused run leaves no store behind.
@@ -222,6 +239,8 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
         report_bad_rows(bad)
         _require_usable(bad, len(rows), cfg.data)
         header = in_form_of(build_header(cfg, model_config, tokenizer, template, rows), stored)
+        # The pinned host buffers are page-locked on a thread from here, beside the target's load.
+        buffers = host_buffers(cfg, header, devices[0]) if loader is not None else None
         if cfg.dry_run or not cfg.force:
             plan = _plan(cfg, header, rows, tokenizer, template, devices)
             if cfg.dry_run:
@@ -276,7 +295,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
             encoder = (ChatEncoder(tokenizer, template, cfg.max_length, cfg.chat_template_kwargs),
                        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
             results = [run_worker(cfg, specs[0], rows, progress.update, timeline=tl, encoder=encoder,
-                                  model=loader.result if loader is not None else None)]
+                                  model=loader.result if loader is not None else None, buffers=buffers)]
         else:
             results = _run_spawned(cfg, specs, progress)
     finally:

@@ -15,7 +15,9 @@ import torch
 from .capture import TargetRunner, pad_batch
 from .plan import pack_batches
 
-__all__ = ["Sample", "Sink", "DiscardSink", "PipelineStats", "FeaturePipeline"]
+__all__ = ["Sample", "Sink", "DiscardSink", "PipelineStats", "HostBuffers", "FeaturePipeline"]
+
+NUM_BUFFERS = 3  # pinned host buffers a pipeline copies features into (one being filled, one written, one spare)
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,45 @@ class _Work:
     callback: Callable[[], None] | None = None
     shard: int | None = None
     started: Any = None  # the copy's start event, when profiling on CUDA
+    forward: tuple[Any, Any] | None = None  # the forward's start and end events, when profiling on CUDA
+
+
+class HostBuffers:
+    """The pinned host buffers a CUDA pipeline copies features into, allocated on a thread.
+
+    Page-locking them takes about a second a GB (three buffers of a 32K-token batch of an 8B target's 5 layers are
+    4 GB): started before the target is loaded, the allocation runs beside the load instead of after it, on the
+    path to the first forward. The dtype is explicit, so the target's build (which sets torch's default dtype for
+    the process while it runs) cannot change it.
+    """
+
+    def __init__(self, shape: tuple[int, int, int], device: Any, num: int = NUM_BUFFERS) -> None:
+        self.shape = tuple(int(x) for x in shape)
+        self.device = torch.device(device)
+        self.num = num
+        self._buffers: list[torch.Tensor] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="dflash-host-buffers", daemon=True)
+
+    def start(self) -> "HostBuffers":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self._buffers = [torch.empty(self.shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(self.num)]
+        except BaseException as e:  # raised where the pipeline takes the buffers
+            self._error = e
+
+    def result(self) -> list[torch.Tensor]:
+        """Return the buffers once allocated (handed over: this object keeps none); raise what the allocation raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        buffers, self._buffers = self._buffers, []
+        return buffers
 
 
 class FeaturePipeline:
@@ -87,17 +128,20 @@ class FeaturePipeline:
         batch_tokens: int,
         *,
         pad_id: int = 0,
-        num_buffers: int = 3,
+        num_buffers: int = NUM_BUFFERS,
         on_batch: Callable[[int, int], None] | None = None,
         timeline: Any = None,
         profile: bool = False,
+        buffers: HostBuffers | None = None,
     ) -> None:
         self.runner = runner
         # The worker's Timeline (extract/timeline.py): pack, forward and buffer waits per shard on this thread,
-        # the copy and the hand-over to the sink on the writer's. profile: time the device honestly (a
-        # synchronize after each forward, events around each copy), which the normal path never pays.
+        # the copy and the hand-over to the sink on the writer's. profile: also time the device, with CUDA events
+        # around each forward and copy that the writer reads once the copy is done: no synchronize, so a
+        # profiled run runs as fast as any (a synchronize after each forward cost 10% on an H200).
         self.timeline = timeline
         self.profile = profile
+        self._last_end: Any = None  # the previous forward's end event (writer thread): the device's idle gaps
         self.batch_tokens = batch_tokens
         self.pad_id = pad_id
         self.device = runner.device
@@ -105,8 +149,12 @@ class FeaturePipeline:
         self.on_batch = on_batch
         self._buffers: list[torch.Tensor] = []
         if self.cuda:
+            # buffers: allocated beside the target's load (HostBuffers) when the caller started them early.
             shape = (batch_tokens, len(runner.layer_ids), runner.hidden_size)
-            self._buffers = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(num_buffers)]
+            if buffers is None or buffers.shape != shape:
+                buffers = HostBuffers(shape, self.device, num_buffers).start()
+            self._buffers = buffers.result()
+            num_buffers = len(self._buffers)
             self._copy_stream = torch.cuda.Stream(device=self.device)
         self.num_buffers = num_buffers
         self._free: queue.Queue[int] = queue.Queue()
@@ -129,10 +177,18 @@ class FeaturePipeline:
         self.drain()
         return stats
 
-    def _stage(self, name: str, shard: int | None, *, sync: bool = False) -> Any:
+    def _stage(self, name: str, shard: int | None) -> Any:
         if self.timeline is None:
             return contextlib.nullcontext()
-        return self.timeline.stage(name, shard, sync=sync and self.profile and self.cuda)
+        return self.timeline.stage(name, shard)
+
+    def _event(self) -> Any:
+        """Return a timing event recorded on the compute stream now (when profiling on CUDA), else None."""
+        if not (self.profile and self.cuda and self.timeline is not None):
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def submit(self, samples: list[Sample], sink: Sink, shard: int | None = None) -> PipelineStats:
         """Return the forward-side stats after running every sample; the sink may still be receiving them.
@@ -152,8 +208,10 @@ class FeaturePipeline:
                 batch = [samples[i] for i in idx]
                 ids, lens = self._pad(batch)
             stats.padded_tokens += ids.numel()
-            with self._stage("forward", shard, sync=True):
+            with self._stage("forward", shard):
+                start = self._event()
                 feats = self.runner.features(ids.to(self.device, non_blocking=True), lens)
+                end = self._event()
             w0 = time.perf_counter()
             slot = self._free.get()
             waited = time.perf_counter() - w0
@@ -164,7 +222,9 @@ class FeaturePipeline:
                 self._free.put(slot)
                 break
             with self._stage("forward", shard):  # issuing the copy (asynchronous on CUDA)
-                self._work.put(self._to_host(batch, feats, slot, sink, shard))
+                work = self._to_host(batch, feats, slot, sink, shard)
+                work.forward = (start, end) if start is not None else None
+                self._work.put(work)
             stats.batches += 1
             stats.samples += len(batch)
             stats.tokens += sum(lens)
@@ -273,6 +333,12 @@ class FeaturePipeline:
                     times = {"copy": t1 - t0, "sink": t2 - t1}
                     if item.started is not None:
                         times["copy_device"] = item.started.elapsed_time(item.event) / 1000.0
+                    if item.forward is not None:  # done: the copy waited for it
+                        start, end = item.forward
+                        times["forward_device"] = start.elapsed_time(end) / 1000.0
+                        if self._last_end is not None:  # the device between two forwards: waiting for the host
+                            times["device_idle"] = max(0.0, self._last_end.elapsed_time(start) / 1000.0)
+                        self._last_end = end
                     self.timeline.add_many(item.shard, times)
                 if self.on_batch is not None:
                     self.on_batch(len(item.batch), item.tokens)

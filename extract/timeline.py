@@ -23,13 +23,14 @@ log = logging.getLogger(__name__)
 # The command's imports are split by what they bring in (orchestrate._timed_imports); `python` is all before.
 MAIN_ORDER = ("python", "import_torch", "import_transformers", "import_storage", "import_dflash", "model_config",
               "devices", "read", "plan", "store", "tokenizer", "device_init", "model_wait", "model_load", "runner",
-              "claim", "wait_tokenise", "pack", "forward", "wait_buffer", "drain", "summary")
+              "host_buffers", "claim", "wait_tokenise", "pack", "forward", "wait_buffer", "drain", "summary")
 # Per-shard parts of the main thread (these sum to wall with the start-up ones) and of the threads beside it.
 SHARD_MAIN = ("claim", "wait_tokenise", "pack", "forward", "wait_buffer")
-# Start-up work beside the main thread: the target loaded on its own thread (extract/loader.py).
-STARTUP_BACKGROUND = ("model_imports", "model_check", "device_init", "model_load")
-SHARD_BACKGROUND = ("tokenise", "copy", "copy_device", "sink", "compress", "write_fsync", "commit", "commit_wait",
-                    "commit_files")
+# Start-up work beside the main thread: the target's weight files read into the page cache from the start
+# (target.WeightPrefetch), the target loaded on its own thread (extract/loader.py).
+STARTUP_BACKGROUND = ("model_prefetch", "model_imports", "model_check", "device_init", "model_load")
+SHARD_BACKGROUND = ("tokenise", "forward_device", "device_idle", "copy", "copy_device", "sink", "compress",
+                    "write_fsync", "commit", "commit_wait", "commit_files")
 
 
 def process_start() -> float:
@@ -50,9 +51,8 @@ class Timeline:
     """Seconds per stage of one worker; `main` parts (one thread, no overlap), per-shard rows and start-up work
     beside the main thread (`side`). Thread-safe."""
 
-    def __init__(self, origin: float | None = None, *, sync: Any = None) -> None:
+    def __init__(self, origin: float | None = None) -> None:
         self.origin = process_start() if origin is None else origin
-        self.sync = sync  # called at a stage's end when profiling a device whose work is asynchronous (CUDA)
         self.main: dict[str, float] = {}
         self.shards: dict[int, dict[str, float]] = {}
         self.side: dict[str, float] = {}
@@ -78,14 +78,12 @@ class Timeline:
             self.add(name, s, shard, main=False)
 
     @contextlib.contextmanager
-    def stage(self, name: str, shard: int | None = None, *, main: bool = True, sync: bool = False) -> Iterator[None]:
-        """Time the block as one interval of the stage (sync: wait for the device first, when profiling)."""
+    def stage(self, name: str, shard: int | None = None, *, main: bool = True) -> Iterator[None]:
+        """Time the block as one interval of the stage."""
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            if sync and self.sync is not None:
-                self.sync()
             self.add(name, time.perf_counter() - t0, shard, main=main)
 
     def to_dict(self, end: float | None = None, **extra: Any) -> dict[str, Any]:

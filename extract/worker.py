@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ..config import ExtractConfig
 
 __all__ = ["WorkerSpec", "auto_writer_threads", "prepare_shard", "open_encoder", "open_pipeline",
-           "run_worker", "fill_shards"]
+           "host_buffers", "run_worker", "fill_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +113,22 @@ def open_encoder(cfg: "ExtractConfig") -> tuple[Any, int]:
     return encoder, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
+def host_buffers(cfg: "ExtractConfig", header: dict[str, Any], device: str) -> Any:
+    """Return the pipeline's pinned host buffers being allocated on a thread (pipeline.HostBuffers), or None off
+    CUDA (no copies there)."""
+    from .pipeline import HostBuffers
+
+    if not device.startswith("cuda"):
+        return None
+    shape = (cfg.batch_tokens, len(header["layer_ids"]), int(header["hidden_size"]))
+    return HostBuffers(shape, device).start()
+
+
 def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, pad_id: int,
                      on_batch: Callable[[int, int], None] | None = None, timeline: Any = None,
-                     model: Any = None) -> Any:
-    """Return the feature pipeline of the target on `device` (loaded now unless `model` is the loaded target)."""
+                     model: Any = None, buffers: Any = None) -> Any:
+    """Return the feature pipeline of the target on `device` (loaded now unless `model` is the loaded target;
+    buffers: its host buffers already being allocated, else they are allocated beside this load)."""
     import contextlib
 
     import torch
@@ -133,15 +145,16 @@ def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, 
             torch.cuda.set_device(dev)
             torch.cuda.init()
     profile = bool(getattr(cfg, "profile", None))
-    if timeline is not None and profile and dev.type == "cuda":
-        timeline.sync = lambda: torch.cuda.synchronize(dev)
+    if buffers is None:
+        buffers = host_buffers(cfg, header, device)
     if model is None:
         with stage("model_load"):
             model = load_target(cfg.model, dev, getattr(torch, cfg.dtype))
     with stage("runner"):  # the truncated runner and its self-check against the full model
         runner = TargetRunner(model, header["layer_ids"])
-    return FeaturePipeline(runner, cfg.batch_tokens, pad_id=pad_id, on_batch=on_batch, timeline=timeline,
-                           profile=profile)
+    with stage("host_buffers"):  # waiting for the pinned host buffers features are copied into
+        return FeaturePipeline(runner, cfg.batch_tokens, pad_id=pad_id, on_batch=on_batch, timeline=timeline,
+                               profile=profile, buffers=buffers)
 
 
 def open_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str,
@@ -153,13 +166,14 @@ def open_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str,
 
 def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, report: Report, *,
                timeline: Any = None, encoder: tuple[Any, int] | None = None,
-               model: Callable[[], Any] | None = None) -> dict[str, Any]:
+               model: Callable[[], Any] | None = None, buffers: Any = None) -> dict[str, Any]:
     """Return this worker's totals (and its timeline) after it has filled every shard it could claim; report()
     gets progress events.
 
     timeline: the run's Timeline when the worker runs in the command's own process (else one from this process's
     start); encoder: (chat encoder, pad id) already made; model: a function returning the target already being
-    loaded (orchestrate starts the load beside reading the data).
+    loaded (orchestrate starts the load beside reading the data); buffers: the pipeline's host buffers already
+    being allocated (worker.host_buffers).
     """
     from ..storage import Store
     from ..chatfiles import read_rows
@@ -186,7 +200,7 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, r
         pipeline = feature_pipeline(
             cfg, header, spec.device, pad_id,
             on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}),
-            timeline=tl, model=target)
+            timeline=tl, model=target, buffers=buffers)
         loaded["load_s"] = time.perf_counter() - t_start
         return pipeline
 

@@ -31,7 +31,8 @@ def test_profile_parts_sum_to_wall(tmp_path: Path) -> None:
         assert w["parts"].get(part, 0) > 0, (part, w["parts"])
     # One device: the target is checked and loaded beside the main thread, which only waits for it.
     assert "model_load" not in w["parts"] and "model_check" not in w["parts"], w["parts"]
-    for part in ("model_imports", "model_check", "model_load"):
+    # The weight files are read into the page cache from the start, beside the imports.
+    for part in ("model_prefetch", "model_imports", "model_check", "model_load"):
         assert w["background"].get(part, 0) > 0, (part, w["background"])
     store = Store.open(str(out))
     rows = {r["shard"]: r for r in w["shards"]}
@@ -39,4 +40,4 @@ def test_profile_parts_sum_to_wall(tmp_path: Path) -> None:
     for r in rows.values():
         for part in ("tokenise", "forward", "sink", "compress", "write_fsync", "commit"):
             assert r.get(part, 0) > 0, (part, r)
-    assert "timeline cpu: wall" in done.stderr and "beside it: target load (model_imports" in done.stderr
+    assert "timeline cpu: wall" in done.stderr and "beside it: target load (model_prefetch" in done.stderr

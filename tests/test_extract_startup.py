@@ -130,3 +130,41 @@ def test_a_signal_during_the_load_stops_promptly(tiny_qwen3, data_file, tmp_path
     assert proc.returncode == code, rest[-3000:]
     assert "interrupted; rerun the same command to resume" in rest, rest[-3000:]
     assert _no_claims(out), "claims left behind"
+
+
+def test_the_prefetch_reads_every_weight_file_once(tmp_path):
+    from dflash.target import WeightPrefetch
+
+    (tmp_path / "config.json").write_text("{}")
+    sizes = {"model-00001-of-00002.safetensors": 3 << 20, "model-00002-of-00002.safetensors": (1 << 20) + 7,
+             "pytorch_model.bin": 5}
+    for name, n in sizes.items():
+        (tmp_path / name).write_bytes(os.urandom(n))
+    done = []
+    p = WeightPrefetch(tmp_path, block=1 << 20, available=1 << 40, on_done=done.append).start()
+    assert p.wait(30) and p.skipped is None
+    assert [f.name for f in p.files] == sorted(sizes) and p.read_bytes == p.bytes == sum(sizes.values())
+    assert len(done) == 1 and done[0] == p.seconds >= 0
+
+
+@pytest.mark.parametrize("case", ["too_large", "no_folder", "no_weights"])
+def test_the_prefetch_skips_what_it_should_not_read(tmp_path, case):
+    from dflash.target import WeightPrefetch
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 4096)
+    folder = {"too_large": tmp_path, "no_folder": tmp_path / "absent", "no_weights": tmp_path / "empty"}[case]
+    if case == "no_weights":
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    # Weights larger than half the memory available would push each other out of the page cache.
+    p = WeightPrefetch(folder, available=4096, on_done=lambda s: pytest.fail("a skipped prefetch read")).start()
+    assert p.wait(5) and p.skipped and p.read_bytes == 0
+
+
+def test_a_cancelled_prefetch_stops_at_the_next_block(tmp_path):
+    from dflash.target import WeightPrefetch
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * (8 << 20))
+    p = WeightPrefetch(tmp_path, block=1 << 20, available=1 << 40)
+    p.close()  # cancelled before it starts: it reads at most the block it is in
+    assert p.start().wait(30) and p.read_bytes <= 1 << 20

@@ -15,6 +15,8 @@ Variants (--variants, comma-separated; each runs every shard of the case once):
   tok_gc        tok with the cyclic garbage collector off (gc.freeze, gc.disable)
   tok_w4        tok with 4 compression threads instead of the machine's share
   tok_profile   tok with --profile's CUDA events around each forward and copy
+  *_cudnn       hidden_cudnn, features_cudnn, tok_cudnn: the same with SDPA free to pick cuDNN's attention, which
+                the runner excludes (extract/capture.attention_backends: cuDNN plans each new shape)
   empty_cache   no pass: torch.cuda.empty_cache(), so the next variant's allocations go to the driver again
 A variant may be named more than once (e.g. hidden,hidden,empty_cache,hidden: a cold pass, a warm one, and one
 after the allocator's cache was emptied).
@@ -39,7 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import extract as bx  # noqa: E402  (bench/extract.py: the cases' targets and data)
 
-ALL = ("hidden", "features", "discard", "store", "tok", "tok_si", "tok_gc", "tok_w4", "tok_profile", "empty_cache")
+BASE = ("hidden", "features", "discard", "store", "tok", "tok_si", "tok_gc", "tok_w4", "tok_profile")
+ALL = BASE + ("hidden_cudnn", "features_cudnn", "tok_cudnn", "empty_cache")
 # The caching allocator's counters whose change over a variant is printed: cudaMalloc/cudaFree calls, retries
 # after a failed cudaMalloc (which free the cache and synchronise).
 ALLOC_STATS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
@@ -137,6 +140,8 @@ def run_variant(name: str, ctx: dict[str, Any]) -> dict[str, Any]:
     from dflash.storage import Store
 
     cfg, runner, device = ctx["cfg"], ctx["runner"], ctx["device"]
+    cudnn = runner._r.cudnn_attention = name.endswith("_cudnn")  # the TimedRunner's runner
+    name = name.removesuffix("_cudnn")
     tl = Timeline(origin=time.perf_counter())
     profile = name == "tok_profile"
     threads = 4 if name == "tok_w4" else auto_writer_threads(1)
@@ -191,7 +196,7 @@ def run_variant(name: str, ctx: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(cfg.out, ignore_errors=True)
     t = tl.to_dict()
     alloc = {k: v - alloc0.get(k, 0) for k, v in _alloc_stats(device).items()}
-    return {"variant": name, "tokens": ctx["tokens"], "wall_s": round(wall, 3), "tok_s": round(ctx["tokens"] / wall),
+    return {"variant": name + ("_cudnn" if cudnn else ""), "tokens": ctx["tokens"], "wall_s": round(wall, 3), "tok_s": round(ctx["tokens"] / wall),
             "main_cpu_s": round(cpu, 3), "threads": threads, **runner.device_figures(), "alloc": alloc,
             "parts": t["parts"], "background": t["background"],
             **{k: v for k, v in extra.items() if k in ("steady_s", "wait_s") or k.startswith("writer_")}}

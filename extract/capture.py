@@ -1,6 +1,7 @@
 """The truncated target runner: embedding, rotary and the first k decoder layers, returning DFlash features."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["TargetRunner", "load_target", "pad_batch"]
+__all__ = ["TargetRunner", "attention_backends", "load_target", "pad_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,22 @@ def load_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype)
     from ..target import load_target as load
 
     return load(model_dir, device=device, dtype=dtype, attn_implementation=_attn_implementation(device))
+
+
+def attention_backends(device: torch.device, cudnn: bool = False) -> Any:
+    """Return a context in which SDPA may pick any kernel but cuDNN's on CUDA (unless cudnn), else no context.
+
+    On Hopper torch prefers cuDNN's attention, which builds and caches an execution plan for each new (batch, length)
+    shape. Extraction's batches are packed to their samples' lengths, so nearly every batch is a new shape: on one
+    H200 a first pass over a short real run's 163 batches took 23.0 s against 15.1 s for a second pass over the same
+    batches, and leaving cuDNN out took the command from 21,775 to 29,693 tok/s (bench/RESULTS.md, issue 22). Flash
+    and memory-efficient attention keep no per-shape state, and attention is a few percent of these forwards.
+    """
+    if device.type != "cuda" or cudnn:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 SUPPORTED = "decoder-only transformers with rotary embeddings (Llama, Qwen2, Qwen3, Mistral and their kin)"
@@ -81,11 +98,12 @@ class TargetRunner:
     i.e. the full model's output_hidden_states[i + 1].
     """
 
-    def __init__(self, model: Any, layer_ids: list[int], *, check: bool = True) -> None:
+    def __init__(self, model: Any, layer_ids: list[int], *, check: bool = True, cudnn_attention: bool = False) -> None:
         base = decoder_base(model, getattr(getattr(model, "config", None), "_name_or_path", "") or "the target")
         cfg = base.config
         self.layer_ids = list(layer_ids)
         self.depth = max(self.layer_ids) + 1
+        self.cudnn_attention = cudnn_attention  # see attention_backends(); the benchmark compares both
         types = list(getattr(cfg, "layer_types", None) or [])[: self.depth]
         if any(t != "full_attention" for t in types):
             raise InputError(
@@ -113,12 +131,13 @@ class TargetRunner:
         rope = base.rotary_emb(h, pos)
         wanted = set(self.layer_ids)
         out: list[torch.Tensor] = []
-        for j in range(self.depth):
-            h = base.layers[j](h, attention_mask=None, position_ids=pos, position_embeddings=rope)
-            if isinstance(h, tuple):  # older transformers return (hidden, attn_weights)
-                h = h[0]
-            if j in wanted:
-                out.append(h)
+        with attention_backends(input_ids.device, self.cudnn_attention):
+            for j in range(self.depth):
+                h = base.layers[j](h, attention_mask=None, position_ids=pos, position_embeddings=rope)
+                if isinstance(h, tuple):  # older transformers return (hidden, attn_weights)
+                    h = h[0]
+                if j in wanted:
+                    out.append(h)
         return out
 
     @torch.inference_mode()
@@ -135,7 +154,8 @@ class TargetRunner:
         gen = torch.Generator().manual_seed(0)
         vocab = int(base.config.vocab_size)
         ids = torch.randint(0, vocab, (1, 12), generator=gen).to(base.embed_tokens.weight.device)
-        with torch.inference_mode():
+        # The reference takes the attention kernels the runner takes: this checks layers and positions, not kernels.
+        with torch.inference_mode(), attention_backends(ids.device, self.cudnn_attention):
             ref = base(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
             ours = self.hidden(ids)
         for i, got in zip(self.layer_ids, ours):

@@ -54,3 +54,19 @@ def test_runner_drops_everything_after_the_last_captured_layer(tiny_qwen3):
     runner = TargetRunner(model, [0, 2])
     assert len(runner.base.layers) == 3
     assert model.lm_head is None and runner.base.norm is None
+
+
+def test_cuda_extraction_leaves_cudnn_attention_out_and_restores_the_choice():
+    from dflash.extract.capture import attention_backends
+
+    flags = torch.backends.cuda
+    before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled())
+    # cuDNN's attention plans each new (batch, length) shape; extraction's batches rarely repeat one.
+    with attention_backends(torch.device("cuda", 0)):
+        assert not flags.cudnn_sdp_enabled()
+        assert flags.flash_sdp_enabled() and flags.mem_efficient_sdp_enabled() and flags.math_sdp_enabled()
+    assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled()) == before
+    # Asked for (the benchmark's comparison), or off CUDA, the choice is torch's own.
+    for device, cudnn in ((torch.device("cuda", 0), True), (torch.device("cpu"), False)):
+        with attention_backends(device, cudnn):
+            assert flags.cudnn_sdp_enabled() == before[0]

@@ -41,8 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import extract as bx  # noqa: E402  (bench/extract.py: the cases' targets and data)
 
-BASE = ("hidden", "features", "discard", "store", "tok", "tok_si", "tok_gc", "tok_w4", "tok_profile")
-ALL = BASE + ("hidden_cudnn", "features_cudnn", "tok_cudnn", "empty_cache")
+ALL = ("hidden", "features", "discard", "store", "tok", "tok_si", "tok_gc", "tok_w4", "tok_profile", "hidden_cudnn",
+       "features_cudnn", "tok_cudnn", "empty_cache")
 # The caching allocator's counters whose change over a variant is printed: cudaMalloc/cudaFree calls, retries
 # after a failed cudaMalloc (which free the cache and synchronise).
 ALLOC_STATS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
@@ -196,7 +196,8 @@ def run_variant(name: str, ctx: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(cfg.out, ignore_errors=True)
     t = tl.to_dict()
     alloc = {k: v - alloc0.get(k, 0) for k, v in _alloc_stats(device).items()}
-    return {"variant": name + ("_cudnn" if cudnn else ""), "tokens": ctx["tokens"], "wall_s": round(wall, 3), "tok_s": round(ctx["tokens"] / wall),
+    return {"variant": name + ("_cudnn" if cudnn else ""), "tokens": ctx["tokens"], "wall_s": round(wall, 3),
+            "tok_s": round(ctx["tokens"] / wall),
             "main_cpu_s": round(cpu, 3), "threads": threads, **runner.device_figures(), "alloc": alloc,
             "parts": t["parts"], "background": t["background"],
             **{k: v for k, v in extra.items() if k in ("steady_s", "wait_s") or k.startswith("writer_")}}

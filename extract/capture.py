@@ -42,6 +42,7 @@ def attention_backends(device: torch.device, cudnn: bool = False) -> Any:
     H200 a first pass over a short real run's 163 batches took 23.0 s against 15.1 s for a second pass over the same
     batches, and leaving cuDNN out took the command from 21,775 to 29,693 tok/s (bench/RESULTS.md, issue 22). Flash
     and memory-efficient attention keep no per-shape state, and attention is a few percent of these forwards.
+    The flags it sets are torch's process-wide ones, restored on exit: in extract only the forward's thread runs SDPA.
     """
     if device.type != "cuda" or cudnn:
         return contextlib.nullcontext()

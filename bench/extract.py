@@ -481,6 +481,8 @@ def main() -> None:
                   f"{timeline_totals(cmd['timeline']) if cmd['timeline'] else '    (no --profile)'}", flush=True)
             if fwd is None and args.forward_from and saved(args.forward_from).is_file():
                 fwd = json.loads(saved(args.forward_from).read_text())
+                fwd.setdefault("passes", [{"pass": "cold", "seconds": fwd["seconds"], "tok_s": round(fwd["tok_s"])}])
+                fwd.setdefault("best_tok_s", max(p["tok_s"] for p in fwd["passes"]))  # figures saved before passes
             if fwd is None:
                 fwd = truncated_forward(model, data, store, device, cudnn=args.cudnn_passes)
                 if args.forward_to:

@@ -199,8 +199,9 @@ def cli(log_level: str) -> None:
     extract: conversations -> target forward on GPUs -> zarr shards + manifest
     train:   committed shards -> drafter training on other GPUs (can follow a running extract)
     """
-    from .runtime import setup_logging
+    from .runtime import setup_logging, skip_unused_packages
 
+    skip_unused_packages()  # before anything imports transformers
     setup_logging(log_level)
 
 

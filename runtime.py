@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from . import errors as errors_mod
 from .errors import DflashError
 
-__all__ = ["LOG_FORMAT", "setup_logging", "Ranks", "ranks_from_env", "Terminated", "install_signal_handlers",
+__all__ = ["LOG_FORMAT", "setup_logging", "UNUSED_PACKAGES", "skip_unused_packages", "Ranks", "ranks_from_env", "Terminated", "install_signal_handlers",
            "interrupt_exit_code", "deferred_signals", "launch", "Progress", "format_eta"]
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,27 @@ LOG_DATE = "%H:%M:%S"
 
 # report(event): how a process tells the parent (or the in-process caller) about progress.
 Report = Callable[[dict[str, Any]], None]
+
+
+# Packages that a library dflash imports pulls in when it is imported, for features dflash never calls. transformers
+# 5.17 imports scikit-learn with its generation module, for assisted generation's confidence threshold alone; on the
+# lent H200 that was 3.2-5.5 s of every command that loads a model (bench/RESULTS.md, issue 22).
+UNUSED_PACKAGES = ("sklearn",)
+
+
+def skip_unused_packages(names: Sequence[str] = UNUSED_PACKAGES) -> list[str]:
+    """Return the packages among names that this process will now treat as not installed.
+
+    Python's own way: a None in sys.modules makes `import` raise ImportError and importlib.util.find_spec (which
+    transformers' is_*_available checks call) return None, so libraries take the path they take where the package
+    is absent. A package already imported stays, and so does one named in DFLASH_KEEP_PACKAGES (comma-separated),
+    for code of one's own that runs in dflash's process and needs it.
+    """
+    keep = {n.strip() for n in os.environ.get("DFLASH_KEEP_PACKAGES", "").split(",")}
+    skipped = [n for n in names if n not in sys.modules and n not in keep]
+    for n in skipped:
+        sys.modules[n] = None  # type: ignore[assignment]
+    return skipped
 
 
 def setup_logging(level: int | str, rank: int | None = None) -> None:
@@ -117,6 +138,7 @@ def _free_port() -> int:
 def _child(target: Callable[..., Any], args: tuple, rank: int, env: dict[str, str], events: Any, level: int) -> None:
     """Entry point of a spawned process: run target(*args, report), send its result or its error to the parent."""
     os.environ.update(env)
+    skip_unused_packages()  # spawned: nothing of the parent's sys.modules came along
     install_signal_handlers()
     setup_logging(level, rank if "RANK" in env else None)
 

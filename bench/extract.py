@@ -228,14 +228,17 @@ def settle() -> bool:
         dropped = True
     except OSError:
         dropped = False
-    subprocess.run([sys.executable, "-c", IMPORT_SET], check=True)
+    subprocess.run([sys.executable, "-c", UNSKIPPED_SET], check=True)  # scikit-learn's files warm too, for (0)
     return dropped
 
 
-# What `dflash extract` imports, as it imports it: the command line, the extract modules, transformers' config,
+# What `dflash extract` imports, as it imports it: the command line (which marks scikit-learn absent, so transformers
+# does not import it: runtime.skip_unused_packages), the extract modules, transformers' config,
 # tokenizer and modeling code (the load's thread), the store's compressor, and flash-attn where installed (the
 # CUDA load picks it).
-IMPORT_SET = ("import dflash.cli, torch\n"
+IMPORT_SET = ("import dflash.cli\n"
+              "from dflash.runtime import skip_unused_packages; skip_unused_packages()\n"  # as the CLI group does
+              "import torch\n"
               "from transformers import AutoConfig, AutoTokenizer\n"
               "import numcodecs.blosc, dflash.storage\n"
               "from dflash.extract import orchestrate, capture, header, loader, pipeline, progress, template, worker\n"
@@ -243,11 +246,16 @@ IMPORT_SET = ("import dflash.cli, torch\n"
               "try:\n    import flash_attn\nexcept ImportError:\n    pass\n")
 
 
-def import_breakdown(top: int = 15) -> dict:
+UNSKIPPED_SET = IMPORT_SET.replace("skip_unused_packages()", "pass")
+
+
+def import_breakdown(top: int = 15, skip: bool = True) -> dict:
     """Return the command's import set timed in a fresh interpreter (-X importtime): the total, the wall of the
-    interpreter, and the `top` modules by cumulative time (a module's time includes what it imports)."""
+    interpreter, and the `top` modules by cumulative time (a module's time includes what it imports). Without
+    skip, scikit-learn is not marked absent (what the command imported before runtime.skip_unused_packages)."""
+    code = IMPORT_SET if skip else UNSKIPPED_SET
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-X", "importtime", "-c", IMPORT_SET], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         raise SystemExit(f"timing the imports failed:\n{done.stderr[-3000:]}")
@@ -267,6 +275,10 @@ def format_imports(b: dict) -> str:
     """Return the import breakdown in a few lines (depth: 0 is imported by the set itself, 1 by one of those...)."""
     lines = [f"(0) the command's imports in a fresh interpreter: {b['total_s']:.2f} s over {b['modules']} modules "
              f"(interpreter {b['interpreter_wall_s']:.2f} s); top {len(b['top'])} by cumulative time:"]
+    if "unskipped" in b:
+        u = b["unskipped"]
+        lines.insert(1, f"      without marking scikit-learn absent: {u['total_s']:.2f} s over {u['modules']} modules "
+                        f"(interpreter {u['interpreter_wall_s']:.2f} s)")
     lines += [f"      {r['cumulative_s']:7.3f} s  {'  ' * r['depth']}{r['module']} (self {r['self_s']:.3f})"
               for r in b["top"]]
     return "\n".join(lines)
@@ -457,7 +469,10 @@ def main() -> None:
     store = store_root / "store"
     runs = []
     settle()
-    imports = None if args.no_imports else import_breakdown()
+    imports = None
+    if not args.no_imports:
+        unskipped = import_breakdown(skip=False)
+        imports = import_breakdown() | {"unskipped": unskipped}
     if imports:
         print(format_imports(imports), flush=True)
     for case in (("short", "long") if args.case == "both" else (args.case,)):

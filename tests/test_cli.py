@@ -182,3 +182,60 @@ def test_every_option_is_its_config_field(command, cls):
     opts = {n: (p.default if p.default is not None else None) for n, p in params.items() if n not in required}
     made = make_config(getattr(config, cls), {**opts, **required})
     assert made == getattr(config, cls)(**required)
+
+
+def _fake_sklearn(tmp_path) -> tuple[dict, str]:
+    """A package named sklearn that leaves a marker file when imported; (env with it on the path, marker path)."""
+    import os
+
+    pkg = tmp_path / "sklearn"
+    pkg.mkdir()
+    marker = tmp_path / "imported"
+    (pkg / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    return env, str(marker)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_unused_packages_count_as_absent_to_transformers(tmp_path, skip):
+    # transformers 5.17 imports scikit-learn with its generation module whenever it is installed (seconds of start-up
+    # that dflash never uses); once skipped, transformers sees it as absent and nothing imports it. Unskipped, the
+    # same process finds and imports it: the check is not vacuous.
+    import os
+
+    env, marker = _fake_sklearn(tmp_path)
+    code = (
+        "import importlib, sys\n"
+        + ("from dflash.runtime import skip_unused_packages; print(skip_unused_packages())\n" if skip else "print([])\n")
+        + "from transformers.utils import is_sklearn_available\n"
+        "print(is_sklearn_available())\n"
+        "try:\n    import sklearn\n    print('imported')\nexcept ImportError:\n    print('absent')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    if skip:
+        assert out.split() == ["['sklearn']", "False", "absent"]
+        assert not os.path.exists(marker)
+    else:
+        assert out.split() == ["[]", "True", "imported"]
+        assert os.path.exists(marker)
+
+
+def test_unused_packages_kept_when_asked_or_already_imported(tmp_path, monkeypatch):
+    from dflash.runtime import skip_unused_packages
+
+    monkeypatch.setenv("DFLASH_KEEP_PACKAGES", "sklearn")
+    assert skip_unused_packages(["sklearn"]) == []
+    monkeypatch.delenv("DFLASH_KEEP_PACKAGES")
+    assert skip_unused_packages(["json"]) == []  # already imported: left as it is
+    assert sys.modules["json"] is not None
+
+
+def test_every_command_skips_unused_packages(monkeypatch):
+    # The group's callback runs before any command imports transformers (and spawned workers do the same in
+    # runtime._child).
+    monkeypatch.delitem(sys.modules, "sklearn", raising=False)
+    monkeypatch.delenv("DFLASH_KEEP_PACKAGES", raising=False)
+    result = CliRunner().invoke(cli, ["extract", "--help"])
+    assert result.exit_code == 0, result.output
+    assert "sklearn" in sys.modules and sys.modules["sklearn"] is None
+    monkeypatch.delitem(sys.modules, "sklearn")  # what the test process had before

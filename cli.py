@@ -350,7 +350,34 @@ def main(argv: list[str] | None = None) -> None:
     except (_Interrupted, KeyboardInterrupt) as e:
         click.echo("dflash: interrupted; rerun the same command to resume", err=True)
         sys.exit(interrupt_exit_code(e.__cause__ if isinstance(e, _Interrupted) else e))
-    sys.exit(rv if isinstance(rv, int) else 0)
+    code = rv if isinstance(rv, int) else 0
+    if argv is None and code == 0:
+        _exit_now(code)  # the console entry point: nothing after this process's work but its teardown
+    sys.exit(code)
+
+
+def _exit_now(code: int) -> None:
+    """End the process as the interpreter would, less its finalization, which frees every object one by one.
+
+    After a command that loaded torch, transformers and a model, that finalization (the GC of every module's
+    objects, and CUDA's teardown after it) took 0.7 s on the development CPU and ~2.3 s on the lent H200 between
+    the summary and the shell prompt (bench/RESULTS.md, issue 22). Everything the interpreter does at exit that
+    has an effect outside the process still runs, in its order: threading's exit hooks (executors let their
+    workers go) and the join of every non-daemon thread, then the atexit handlers (logging's flush and close,
+    multiprocessing's join of its children, weakref finalizers marked for exit), then the flush of stdout and
+    stderr. dflash's own files are written and fsynced before a command returns, never left to a finalizer.
+    """
+    import atexit
+    import threading
+
+    threading._shutdown()  # type: ignore[attr-defined]  (the interpreter's own first step at exit)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it anyway
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

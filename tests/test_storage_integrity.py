@@ -142,6 +142,40 @@ def test_inspect_command(tmp_path, capsys):
     assert e.value.code == 2 and "no dflash store" in capsys.readouterr().err
 
 
+_EXIT_HARNESS = """
+import atexit, concurrent.futures, sys, threading, time
+marks, store = sys.argv[1], sys.argv[2]
+atexit.register(lambda: open(marks + "/atexit", "w").close())
+def late():
+    time.sleep(0.5)
+    open(marks + "/thread", "w").close()
+threading.Thread(target=late).start()  # non-daemon: the exit waits for it
+pool = concurrent.futures.ThreadPoolExecutor(1)  # never shut down: its idle worker must not hold the exit
+pool.submit(time.sleep, 0).result()
+class Finalized:
+    def __del__(self, _open=open, _path=marks + "/finalized"):  # bound now: builtins may be gone by then
+        _open(_path, "w").close()
+keep = Finalized()  # freed only by the interpreter's finalization
+sys.stdout.write("tail without a newline ")  # still in the pipe's buffer when the command ends
+sys.argv = ["dflash", "inspect", store]
+from dflash.cli import main
+main()
+"""
+
+
+def test_console_entry_skips_finalization_and_keeps_every_exit_effect(tmp_path):
+    # `dflash` (argv from the command line) ends a successful command without the interpreter's finalization
+    # (seconds after a model was loaded), but threads are joined, atexit handlers run and output is flushed.
+    make_store(tmp_path / "store")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    p = subprocess.run([sys.executable, "-c", _EXIT_HARNESS, str(marks), str(tmp_path / "store")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("tail without a newline ") and "3 / 3 committed" in p.stdout
+    assert sorted(f.name for f in marks.iterdir()) == ["atexit", "thread"]  # no "finalized": finalization skipped
+
+
 def test_corrupt_data_never_reads_as_zeros(tmp_path):
     # zarr itself reads a missing chunk as fill_value; our reader must refuse instead.
     import zarr

@@ -34,7 +34,8 @@ Report = Callable[[dict[str, Any]], None]
 
 # Packages that a library dflash imports pulls in when it is imported, for features dflash never calls. transformers
 # 5.17 imports scikit-learn with its generation module, for assisted generation's confidence threshold alone; on the
-# lent H200 that was 3.2-5.5 s of every command that loads a model (bench/RESULTS.md, issue 22).
+# lent H200, marking it absent took 1.6-3.9 s off the import set of every command that loads a model (bench/RESULTS.md,
+# issue 22, fourth pass).
 UNUSED_PACKAGES = ("sklearn",)
 
 

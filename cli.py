@@ -360,10 +360,10 @@ def _exit_now(code: int) -> None:
     """End the process as the interpreter would, less its finalization, which frees every object one by one.
 
     After a command that loaded torch, transformers and a model, that finalization (the GC of every module's
-    objects) took 0.7 s on the development CPU; on the lent H200 the time from the summary to the process's end
-    went from 2.4 s to 1.1 s without it (bench/RESULTS.md, issue 22, fourth pass). Everything the interpreter does at exit that
-    has an effect outside the process still runs, in its order: threading's exit hooks (executors let their
-    workers go) and the join of every non-daemon thread, then the atexit handlers (logging's flush and close,
+    objects) took 0.7 s on the development CPU; on the lent H200 the time from the summary to the process's end went
+    from 2.4 s to 1.1 s without it (bench/RESULTS.md, issue 22, fourth pass). Everything the interpreter does at
+    exit that has an effect outside the process still runs, in its order: threading's exit hooks (executors let
+    their workers go) and the join of every non-daemon thread, then the atexit handlers (logging's flush and close,
     multiprocessing's join of its children, weakref finalizers marked for exit), then the flush of stdout and
     stderr. dflash's own files are written and fsynced before a command returns, never left to a finalizer.
     """

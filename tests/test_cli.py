@@ -206,7 +206,8 @@ def test_unused_packages_count_as_absent_to_transformers(tmp_path, skip):
     env, marker = _fake_sklearn(tmp_path)
     code = (
         "import importlib, sys\n"
-        + ("from dflash.runtime import skip_unused_packages; print(skip_unused_packages())\n" if skip else "print([])\n")
+        + ("from dflash.runtime import skip_unused_packages; print(skip_unused_packages())\n" if skip
+           else "print([])\n")
         + "from transformers.utils import is_sklearn_available\n"
         "print(is_sklearn_available())\n"
         "try:\n    import sklearn\n    print('imported')\nexcept ImportError:\n    print('absent')\n"

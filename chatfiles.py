@@ -211,87 +211,183 @@ class _FileRows:
 
 
 def _json_kind(path: Path, flag: str) -> str:
-    """Return "array" for a .json file holding one JSON array (or {"data": [...]}), "jsonl" for JSON Lines."""
+    """Return "array" for a .json file holding one JSON array (or an object with a "data" array), "jsonl" for JSON
+    Lines.
+
+    A JSON Lines row is one line: an object that spans lines is a wrapper ({"version": 1, "data": [...]}), and so is
+    a one-line object with a "data" array that is the whole file. A first line that reads as an object of its own
+    followed by more rows is JSON Lines.
+    """
     with open(path, "rb") as f:
         head = f.read(1 << 16).lstrip(b"\xef\xbb\xbf \t\r\n")
     if head.startswith(b"["):
         return "array"
-    if head.startswith(b"{"):
-        # {"data": [...]} (a common export) is an array behind one key; any other object starts JSON Lines.
-        key = head[1:].lstrip()
-        return "array" if key.startswith(b'"data"') and key[6:].lstrip().startswith(b":") else "jsonl"
-    raise InputError(f"{flag} {path}: expected a JSON array of rows (or JSON Lines), found a file starting with "
-                     f"{head[:20]!r}; fix the file or write it as JSONL")
+    if not head.startswith(b"{"):
+        raise InputError(f"{flag} {path}: expected a JSON array of rows (or JSON Lines), found a file starting with "
+                         f"{head[:20]!r}; fix the file or write it as JSONL")
+    first, end = _first_line(path)
+    try:
+        row = json.loads(first.decode("utf-8")) if end >= 0 else None
+    except (ValueError, UnicodeDecodeError):
+        row = None
+    if row is None:
+        return "array"  # an object over several lines (or a first line too long for a row): the wrapper's rules
+    if not (isinstance(row, dict) and isinstance(row.get("data"), list)):
+        return "jsonl"
+    with open(path, "rb") as f:  # a one-line object with a "data" array: a wrapper only if nothing follows it
+        f.seek(end)
+        while chunk := f.read(_READ):
+            if chunk.strip():
+                return "jsonl"
+    return "array"
+
+
+def _first_line(path: Path, cap: int = 64 << 20) -> tuple[bytes, int]:
+    """Return a file's first non-blank line (without a BOM and its "\\n") and the byte offset past it; (b"", -1) if
+    it is longer than `cap` (no row is that long)."""
+    with open(path, "rb") as f:
+        buf, base = b"", 0
+        while True:
+            chunk = f.read(_READ)
+            buf += chunk
+            while (nl := buf.find(b"\n")) >= 0:
+                line = buf[:nl].lstrip(b"\xef\xbb\xbf")
+                if line.strip():
+                    return line, base + nl + 1
+                base, buf = base + nl + 1, buf[nl + 1:]
+            if not chunk:
+                return buf.lstrip(b"\xef\xbb\xbf"), base + len(buf)
+            if len(buf) > cap:
+                return b"", -1
+
+
+class _JsonStream:
+    """A JSON file read in chunks: the next character past whitespace, one value decoded at a time, and the byte
+    offset of the position (each character is encoded once to count it)."""
+
+    def __init__(self, f: Any, path: Path, flag: str, offset: int) -> None:
+        self.f, self.path, self.flag = f, path, flag
+        self.decoder = json.JSONDecoder()
+        self.utf8 = codecs.getincrementaldecoder("utf-8")()
+        # buf[mark] lies at byte mark_byte of the file.
+        self.buf, self.pos, self.mark, self.mark_byte = "", 0, 0, offset
+        self.eof = False
+
+    def more(self) -> bool:
+        """Read the next chunk into the buffer; return False at the end of the file."""
+        chunk = self.f.read(_READ)
+        try:
+            text = self.utf8.decode(chunk, final=not chunk)
+        except UnicodeDecodeError as e:
+            raise InputError(f"{self.flag} {self.path}: not valid UTF-8 ({e.reason}); fix the file or write it as "
+                             "JSONL") from None
+        if self.mark > _READ:  # drop what was read, keeping mark's byte count
+            self.byte()
+            self.buf, self.pos, self.mark = self.buf[self.mark:], self.pos - self.mark, 0
+        self.buf += text
+        self.eof = not chunk
+        return bool(chunk)
+
+    def byte(self) -> int:
+        """Return the byte offset of the position in the file."""
+        self.mark_byte += len(self.buf[self.mark:self.pos].encode("utf-8"))
+        self.mark = self.pos
+        return self.mark_byte
+
+    def peek(self) -> str:
+        """Return the next character past JSON whitespace ("" at the end of the file), without taking it."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.buf) or not self.more():
+                return self.buf[self.pos:self.pos + 1]
+
+    def take(self, char: str, what: str) -> None:
+        """Take `char` as the next character, or raise InputError naming `what` was expected."""
+        if self.peek() != char:
+            raise self.bad(what)
+        self.pos += 1
+
+    def value(self) -> Any:
+        """Return the next JSON value, decoded whole."""
+        self.peek()
+        while True:
+            try:
+                value, end = self.decoder.raw_decode(self.buf, self.pos)
+                if end < len(self.buf) or self.eof:  # a number at the buffer's end may go on in the next chunk
+                    self.pos = end
+                    return value
+            except json.JSONDecodeError:
+                if self.eof:
+                    raise self.bad("a JSON value") from None
+            self.more()
+
+    def bad(self, what: str) -> InputError:
+        return InputError(f"{self.flag} {self.path}: not valid JSON (expected {what} at byte {self.byte()}); fix the "
+                          "file or write it as JSONL")
+
+    def elements(self, *, opened: bool) -> Iterator[tuple[int, Any]]:
+        """Yield (byte offset, value) of an array's elements up to its closing "]"; opened: the position is just
+        past the "[" (else at an element, as an earlier pass yielded it)."""
+        if opened and self.peek() == "]":
+            self.pos += 1
+            return
+        while True:
+            if self.peek() == "":
+                raise self.bad("more elements or the closing ]")
+            yield self.byte(), self.value()
+            if self.peek() == "]":
+                self.pos += 1
+                return
+            self.take(",", "a comma or the closing ]")
 
 
 def _array_values(path: Path, flag: str, offset: int | None = None) -> Iterator[tuple[int, Any]]:
-    """Yield (byte offset, value) of the elements of a file's JSON array, streamed; from `offset` when given (an
-    element's start, as an earlier pass yielded it)."""
-    decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")()
+    """Yield (byte offset, value) of the rows of a .json file, streamed: the elements of its array, or of the "data"
+    array of an object (its other keys in any order); from `offset` when given (an element's start, as an earlier
+    pass yielded it). The first pass reads the file whole: after the array (or object), only whitespace may follow.
+    """
     with open(path, "rb") as f:
-
-        def more() -> str:
-            chunk = f.read(_READ)
-            try:
-                return utf8.decode(chunk, final=not chunk)
-            except UnicodeDecodeError as e:
-                raise InputError(f"{flag} {path}: not valid UTF-8 ({e.reason}); fix the file or write it as "
-                                 "JSONL") from None
-
         if offset is not None:
             f.seek(offset)
-        # buf[mark] lies at byte mark_byte of the file: each character is encoded once to keep byte offsets.
-        buf, pos, mark, mark_byte = more(), 0, 0, offset or 0
-
-        def bad(what: str) -> InputError:
-            at = mark_byte + len(buf[mark:pos].encode("utf-8"))
-            return InputError(f"{flag} {path}: not valid JSON (expected {what} at byte {at}); fix the file or write "
-                              "it as JSONL")
-
-        if offset is None:
-            pos = len(buf) - len(buf.lstrip("\ufeff \t\r\n"))
-            if buf.startswith("{", pos):  # {"data": [...]}
-                pos = buf.find("[", pos)
-            if pos < 0 or not buf.startswith("[", pos):
-                raise bad("a JSON array")
-            pos += 1
-        want_value = True
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n":
-                pos += 1
-            if pos == len(buf):
-                chunk = more()
-                if not chunk:
-                    raise bad("more elements or the closing ]")
-                buf += chunk
-                continue
-            if buf[pos] == "]":
-                return
-            if not want_value:
-                if buf[pos] != ",":
-                    raise bad("a comma or the closing ]")
-                pos, want_value = pos + 1, True
-                continue
-            end = None
-            try:
-                value, end = decoder.raw_decode(buf, pos)
-                complete = end < len(buf)  # a number at the buffer's end may go on in the next chunk
-            except json.JSONDecodeError:
-                complete = False
-            if not complete:
-                chunk = more()
-                if chunk:
-                    buf += chunk
-                    continue
-                if end is None:
-                    raise bad("a JSON value")
-            mark_byte += len(buf[mark:pos].encode("utf-8"))
-            mark = pos
-            yield mark_byte, value
-            pos, want_value = end, False
-            if mark > _READ:  # drop what was parsed, keeping mark's byte count
-                buf, pos, mark = buf[mark:], pos - mark, 0
+            yield from _JsonStream(f, path, flag, offset).elements(opened=False)
+            return
+        s = _JsonStream(f, path, flag, 0)
+        s.peek()
+        if s.buf.startswith("\ufeff", s.pos):
+            s.pos += 1
+        top = s.peek()
+        if top == "[":
+            s.pos += 1
+            yield from s.elements(opened=True)
+        elif top == "{":  # {"data": [...]} and its kin ({"version": 1, "data": [...]}): the rows' key
+            s.pos += 1
+            found = False
+            while s.peek() != "}":
+                if s.peek() != '"':
+                    raise s.bad("a key")
+                key = s.value()
+                s.take(":", "a colon")
+                if key == "data" and not found and s.peek() == "[":
+                    s.pos += 1
+                    yield from s.elements(opened=True)
+                    found = True
+                else:
+                    s.value()
+                if s.peek() != "}":
+                    s.take(",", "a comma or the closing }")
+                    if s.peek() == "}":
+                        raise s.bad("a key")
+            s.pos += 1
+            if not found:
+                raise InputError(f"{flag} {path}: expected a JSON array of rows or an object with a \"data\" array, "
+                                 "found an object without one; fix the file or write it as JSONL")
+        else:
+            raise s.bad("a JSON array")
+        if s.peek() != "":
+            raise InputError(
+                f"{flag} {path}: expected only whitespace after the JSON {'array' if top == '[' else 'object'} of rows, found more text at byte "
+                f"{s.byte()} (two arrays back to back?); join the rows into one array or write them as JSONL")
 
 
 def _arrow(path: Path, flag: str) -> Any:

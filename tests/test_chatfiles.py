@@ -138,3 +138,65 @@ def test_a_broken_json_array_names_the_byte(tmp_path):
     path.write_text('[{"prompt": "a"} {"prompt": "b"}]')
     with pytest.raises(InputError, match=r"d.json: not valid JSON \(expected a comma or the closing \] at byte 17\)"):
         read_rows([str(path)])
+
+
+def _two_arrays(path: Path, sep: str) -> Path:
+    """What `cat a.json b.json > all.json` makes: two arrays back to back."""
+    first = json.dumps([_openai(c) for c in CONVERSATIONS], indent=2)
+    path.write_text(first + sep + json.dumps([_openai(c) for c in CONVERSATIONS[:2]]), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("sep", ["", "\n", "\n\n  "])
+def test_two_arrays_back_to_back_are_refused_naming_the_byte_for_every_stage(tmp_path, sep):
+    path = _two_arrays(tmp_path / "all.json", sep)
+    at = len(json.dumps([_openai(c) for c in CONVERSATIONS], indent=2).encode()) + len(sep)
+    match = rf"all.json: expected only whitespace after the JSON array of rows, found more text at byte {at} "
+    with pytest.raises(InputError, match=match):
+        read_rows([str(path)])  # extract
+    with pytest.raises(InputError, match=match):
+        read_prompts(path)  # generate --prompts
+    from dflash.testing import build_tokenizer
+    from dflash.train.prompt_eval import prompt_ids
+
+    with pytest.raises(InputError, match=match):
+        prompt_ids(str(path), build_tokenizer("chatml"))  # eval --prompts
+
+
+@pytest.mark.parametrize("tail", ["x", "]", "{}", "// a comment"])
+def test_any_text_after_the_array_is_refused_and_whitespace_is_not(tmp_path, tail):
+    body = json.dumps([_openai(c) for c in CONVERSATIONS])
+    path = tmp_path / "d.json"
+    path.write_text(body + " \n" + tail, encoding="utf-8")
+    with pytest.raises(InputError, match=rf"found more text at byte {len(body.encode()) + 2} "):
+        read_rows([str(path)])
+    path.write_text(body + " \r\n\t\n", encoding="utf-8")
+    assert [r.messages for r in read_rows([str(path)])] == CONVERSATIONS
+
+
+@pytest.mark.parametrize("indent", [None, 2], ids=["one-line", "pretty"])
+def test_a_wrapper_object_is_read_whatever_the_order_of_its_keys(tmp_path, indent, monkeypatch):
+    monkeypatch.setattr(chatfiles, "_READ", 32)  # values straddle the reader's chunks
+    rows = [_sharegpt(c) for c in CONVERSATIONS] * 4
+    path = tmp_path / "w.json"
+    for wrapper in ({"version": 1, "meta": {"source": "é" * 40, "n": [1, 2.5e-3]}, "data": rows, "after": None},
+                    {"data": rows, "version": 1}):
+        path.write_text(json.dumps(wrapper, indent=indent, ensure_ascii=False), encoding="utf-8")
+        got = read_rows([str(path)])
+        assert [r.messages for r in got] == CONVERSATIONS * 4
+        assert [r.messages for r in got[5:8]] == (CONVERSATIONS * 4)[5:8]
+    path.write_text(json.dumps({"version": 1, "rows": rows}, indent=2), encoding="utf-8")
+    with pytest.raises(InputError, match=r'w.json: expected a JSON array of rows or an object with a "data" array'):
+        read_rows([str(path)])
+    path.write_text(json.dumps({"data": rows}, indent=2) + json.dumps({"data": rows}, indent=2), encoding="utf-8")
+    with pytest.raises(InputError, match="expected only whitespace after the JSON object of rows, found more text"):
+        read_rows([str(path)])
+
+
+def test_json_lines_in_a_json_file_are_still_rows(tmp_path):
+    path = tmp_path / "l.json"
+    path.write_text("".join(json.dumps(_openai(c)) + "\n" for c in CONVERSATIONS), encoding="utf-8")
+    assert [r.messages for r in read_rows([str(path)])] == CONVERSATIONS
+    # A first row that happens to hold a "data" list is a row like the others when rows follow it.
+    path.write_text(json.dumps({"data": [1]} | _openai(CONVERSATIONS[0])) + "\n" + json.dumps(_openai(CONVERSATIONS[1])))
+    assert [r.messages for r in read_rows([str(path)])] == CONVERSATIONS[:2]

@@ -331,33 +331,38 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: DflashError -> one line on stderr and exit 2; SIGINT/SIGTERM -> one line and exit
     130/143 once the work has unwound (claims released, a checkpoint finished or abandoned); anything else keeps
     its traceback."""
-    from .runtime import install_signal_handlers, interrupt_exit_code
+    from .runtime import guard_std_streams, install_signal_handlers, interrupt_exit_code, lost_output
 
+    if argv is None:  # the console entry point: this process's own streams (an in-process caller keeps its own)
+        guard_std_streams()
     install_signal_handlers()
     try:
         rv = cli.main(args=argv, prog_name="dflash", standalone_mode=False)
+        code = rv if isinstance(rv, int) else 0
     except DflashError as e:
         click.echo(f"dflash: error: {e}", err=True)
-        sys.exit(e.exit_code)
+        code = e.exit_code
     except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
+        code = e.exit_code
     except click.ClickException as e:
         e.show()
-        sys.exit(e.exit_code)
+        code = e.exit_code
     except click.Abort:
         click.echo("Aborted.", err=True)
-        sys.exit(130)
+        code = 130
     except (_Interrupted, KeyboardInterrupt) as e:
         click.echo("dflash: interrupted; rerun the same command to resume", err=True)
-        sys.exit(interrupt_exit_code(e.__cause__ if isinstance(e, _Interrupted) else e))
-    code = rv if isinstance(rv, int) else 0
-    if argv is None and code == 0:
-        _exit_now(code)  # the console entry point: nothing after this process's work but its teardown
+        code = interrupt_exit_code(e.__cause__ if isinstance(e, _Interrupted) else e)
+    if argv is None:  # the console entry point: nothing after this process's work but its teardown
+        if lost := lost_output():
+            click.echo(f"dflash: warning: {lost}; the log above is incomplete", err=True)
+        _exit_now(code)
     sys.exit(code)
 
 
 def _exit_now(code: int) -> None:
-    """End the process as the interpreter would, less its finalization, which frees every object one by one.
+    """End the process with `code` as the interpreter would, less its finalization, which frees every object one by
+    one (and runs their __del__, which can wait forever on a lock a daemon thread held when it was frozen).
 
     After a command that loaded torch, transformers and a model, that finalization (the GC of every module's
     objects) took 0.7 s on the development CPU; on the lent H200 the time from the summary to the process's end went
@@ -374,8 +379,9 @@ def _exit_now(code: int) -> None:
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it anyway
+            if stream is not None:  # None: started with the descriptor closed (`>&-`)
+                stream.flush()
+        except Exception:  # a closed pipe or stream, a replaced one: nothing more can reach it anyway
             pass
     os._exit(code)
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from . import errors as errors_mod
 from .errors import DflashError
 
-__all__ = ["LOG_FORMAT", "setup_logging", "UNUSED_PACKAGES", "skip_unused_packages", "Ranks", "ranks_from_env",
+__all__ = ["LOG_FORMAT", "setup_logging", "LossyStream", "guard_std_streams", "lost_output", "UNUSED_PACKAGES", "skip_unused_packages", "Ranks", "ranks_from_env",
            "Terminated", "install_signal_handlers", "interrupt_exit_code", "deferred_signals", "launch", "Progress",
            "format_eta"]
 
@@ -63,6 +63,73 @@ def setup_logging(level: int | str, rank: int | None = None) -> None:
         level = max(level, logging.WARNING)
     fmt = LOG_FORMAT.format(rank=f"rank{rank} " if rank is not None else "")
     logging.basicConfig(level=level, format=fmt, datefmt=LOG_DATE, force=True)
+
+
+class LossyStream:
+    """A text stream that drops what it cannot write, counted, instead of raising: a log or progress stream that fails
+    (a full disk under a log file, `2>/dev/full`, a reader gone from a pipe) must never fail or stop the work. Every
+    other attribute is the wrapped stream's."""
+
+    def __init__(self, stream: Any, name: str) -> None:
+        self._stream, self.name = stream, name
+        self.dropped = 0
+        self.error: BaseException | None = None
+
+    def _lost(self, e: BaseException) -> None:
+        self.dropped += 1
+        self.error = self.error or e
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError) as e:  # ValueError: a closed stream
+            self._lost(e)
+            return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (OSError, ValueError) as e:
+            self._lost(e)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def guard_std_streams() -> None:
+    """Make this process's standard streams safe to write whatever they are attached to.
+
+    A descriptor 0-2 that is closed (`>&- 2>&-`, as a daemon runs) is opened on /dev/null first, so no file this
+    process opens takes its number (a library's write to fd 2 would land in a store file), and sys.stdout / stderr,
+    None then, become streams again. stderr writes through (nothing of a log line waits in a buffer for a flush that
+    fails later), and both drop what cannot be written (LossyStream). Idempotent.
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if not isinstance(sys.stderr, LossyStream):
+        err = open(2, "w", encoding=getattr(sys.stderr, "encoding", None) or "utf-8", errors="backslashreplace",
+                   closefd=False, buffering=1)
+        err.reconfigure(write_through=True)
+        sys.stderr = LossyStream(err, "stderr")  # type: ignore[assignment]
+    if not isinstance(sys.stdout, LossyStream):
+        out = sys.stdout if sys.stdout is not None else open(1, "w", closefd=False)
+        sys.stdout = LossyStream(out, "stdout")  # type: ignore[assignment]
+
+
+def lost_output() -> str:
+    """Return a line on what the standard streams dropped ("" when nothing was), for the end of a command."""
+    lost = [s for s in (sys.stdout, sys.stderr) if isinstance(s, LossyStream) and s.dropped]
+    return "; ".join(f"{s.dropped:,} writes to {s.name} were lost ({s.error})" for s in lost)
 
 
 @dataclass(frozen=True)
@@ -140,6 +207,7 @@ def _free_port() -> int:
 def _child(target: Callable[..., Any], args: tuple, rank: int, env: dict[str, str], events: Any, level: int) -> None:
     """Entry point of a spawned process: run target(*args, report), send its result or its error to the parent."""
     os.environ.update(env)
+    guard_std_streams()  # spawned with the parent's descriptors: a log stream that fails must not fail the work
     skip_unused_packages()  # spawned: nothing of the parent's sys.modules came along
     install_signal_handlers()
     setup_logging(level, rank if "RANK" in env else None)

@@ -32,10 +32,13 @@ class Stage:
     def start(self, argv: list[str]) -> None:
         """Start `python -m dflash.cli ARGV` with its output appended to the log."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as f:
+        with open(self.log_path, "ab", buffering=0) as f:
             self.log_start = f.tell()
-            f.write(f"--- dflash run: starting {self.name}: dflash {' '.join(argv)}\n".encode())
-            f.flush()
+            try:
+                f.write(f"--- dflash run: starting {self.name}: dflash {' '.join(argv)}\n".encode())
+            except OSError as e:  # the log's disk, not the store's: the stage drops what it cannot log and runs on
+                log.warning("dflash run: %s: cannot write the %s stage's log (%s); the stage runs on and its log "
+                            "lines are lost until that disk has room", self.log_path, self.name, e.strerror or e)
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             self.proc = subprocess.Popen([sys.executable, "-m", "dflash.cli", *argv], stdout=f, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from .errors import InputError
 
-__all__ = ["load_target", "WeightPrefetch", "weight_files"]
+__all__ = ["load_target", "check_weights", "check_finite", "WeightPrefetch", "weight_files"]
 
 log = logging.getLogger(__name__)
 
@@ -19,12 +19,15 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def load_target(path: str | os.PathLike, *, device: Any = "cpu", dtype: Any = "float32",
-                attn_implementation: str | None = None, option: str = "--model") -> Any:
+                attn_implementation: str | None = None, option: str = "--model", checked: bool = False) -> Any:
     """Return the target causal LM of a Hugging Face folder in eval mode on `device` in `dtype` ("auto": the
-    folder's own); a folder that is not one is an InputError naming `option`.
+    folder's own); a folder that is not one, or weights that are not the model's (check_weights; skipped when the
+    caller has `checked` them) or not finite, is an InputError naming `option`.
 
     On CUDA the weights load straight onto the GPU (not through host memory) where accelerate allows it.
     """
+    if not checked:
+        check_weights(path, option=option)
     import torch
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
@@ -46,7 +49,111 @@ def load_target(path: str | os.PathLike, *, device: Any = "cpu", dtype: Any = "f
             f"{option} {path}: expected a Hugging Face causal LM folder (config.json + weights), "
             f"loading failed with {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         ) from None
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    check_finite(model.named_parameters(), path, option)
+    return model
+
+
+def _header_problem(file: Path) -> str | None:
+    """Return what is wrong with a safetensors file's tensors against its own header (a tensor's bytes that do not
+    match its dtype and shape), or None; the header alone is read."""
+    import json
+    import math
+    import struct
+
+    sizes = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+    try:
+        with open(file, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        for name, t in header.items():
+            if name == "__metadata__" or t.get("dtype") not in sizes:
+                continue
+            begin, end = t["data_offsets"]
+            want = math.prod(t["shape"]) * sizes[t["dtype"]]
+            if end - begin != want:
+                return (f"tensor {name} in {file.name}: its header says {t['dtype']} {list(t['shape'])} ({want:,} "
+                        f"bytes), the file holds {end - begin:,} bytes for it")
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None  # not whole: the load (or the store's fingerprint) names that in its own words
+    return None
+
+
+def check_weights(path: str | os.PathLike, *, option: str = "--model") -> None:
+    """Raise InputError unless the folder's weights are every tensor its model expects, each of the shape the model
+    expects: read from the safetensors headers and the model built on the meta device, no tensor data.
+
+    transformers itself would initialise a missing tensor at random and go on (features from a model that is not
+    the target, in silence), and stop on a shape mismatch with a traceback. Tensors the model does not use (a
+    vision tower, multi-token-prediction heads) are left alone, as its load leaves them.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    folder = Path(path)
+    files = weight_files(folder)
+    fix = "re-download or re-save the model's weights"
+    for f in files:
+        if f.suffix == ".safetensors" and (wrong := _header_problem(f)):
+            raise InputError(f"{option} {path}: {wrong}; {fix}")
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # its load report is ours to word, in one line
+    hf_logging.disable_progress_bar()
+    try:
+        _, info = AutoModelForCausalLM.from_pretrained(os.fspath(folder), device_map="meta", dtype=torch.float32,
+                                                       output_loading_info=True, ignore_mismatched_sizes=True)
+    except Exception:  # noqa: BLE001 - a folder the load cannot read: load_target reports it in its own words
+        return
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    where = ", ".join(f.name for f in files) or "no weight file"
+    if info.get("mismatched_keys"):
+        name, found, want = sorted(info["mismatched_keys"], key=str)[0]
+        more = len(info["mismatched_keys"]) - 1
+        raise InputError(
+            f"{option} {path}: expected tensor {name} of shape {list(want)}, found {list(found)} in "
+            f"{_file_of(folder, name, files)}{f' (and {more} more mismatched)' if more else ''}; {fix}")
+    if info.get("missing_keys"):
+        missing = sorted(info["missing_keys"])
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise InputError(f"{option} {path}: expected tensor {missing[0]}{more}, found it in none of {where} (the "
+                         f"model would start it at random); {fix}")
+
+
+def _file_of(folder: Path, name: str, files: list[Path]) -> str:
+    """Return the weight file that holds tensor `name` (by the index or the headers), or the folder's files."""
+    import json
+
+    index = folder / "model.safetensors.index.json"
+    try:
+        return json.loads(index.read_text())["weight_map"][name]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(os.fspath(f), framework="pt") as st:
+                if name in st.keys():
+                    return f.name
+        except Exception:  # noqa: BLE001 - not a safetensors file: not the one
+            continue
+    return ", ".join(f.name for f in files)
+
+
+def check_finite(named: Any, path: str | os.PathLike, option: str = "--model") -> None:
+    """Raise InputError naming the first tensor of (name, tensor) pairs that holds NaN or infinite values."""
+    import torch
+
+    for name, t in named:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise InputError(f"{option} {path}: tensor {name} holds {bad:,} non-finite values (NaN or inf) of "
+                             f"{t.numel():,}; the weights are damaged: re-download or re-save them")
 
 
 def weight_files(folder: str | os.PathLike) -> list[Path]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
+from ..target import check_finite
 
 __all__ = ["TargetHead", "load_target_head"]
 
@@ -82,9 +83,16 @@ def load_target_head(
             "the folder is incomplete, re-download the target"
         )
 
+    want = _head_shape(folder)
+
     def read(name: str) -> torch.Tensor:
         with safe_open(os.path.join(folder, wmap[name]), framework="pt", device="cpu") as f:
             t = f.get_tensor(name)
+        if want is not None and tuple(t.shape) != want:
+            raise InputError(f"--target {folder}: expected tensor {name} of shape {list(want)} (vocab_size, "
+                             f"hidden_size of its config.json), found {list(t.shape)} in {wmap[name]}; re-download "
+                             "or re-save the model's weights")
+        check_finite([(name, t)], folder, "--target")
         return t.to(device=device, dtype=dtype or t.dtype)
 
     embed = read(embed_name)
@@ -98,6 +106,18 @@ def load_target_head(
             "expected both [vocab, hidden]"
         )
     return TargetHead(embed=embed, lm_head=head, tied=False)
+
+
+def _head_shape(folder: str) -> tuple[int, int] | None:
+    """Return (vocab_size, hidden_size) of the target's (text) config, None where it does not say."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    vocab, hidden = text.get("vocab_size", cfg.get("vocab_size")), text.get("hidden_size", cfg.get("hidden_size"))
+    return (int(vocab), int(hidden)) if isinstance(vocab, int) and isinstance(hidden, int) else None
 
 
 def _declares_tied(folder: str) -> bool:

@@ -28,10 +28,12 @@ def _attn_implementation(device: torch.device) -> str:
 
 
 def load_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> Any:
-    """Return the target as an eval-mode causal LM on `device` in `dtype`, with the fastest attention there."""
+    """Return the target as an eval-mode causal LM on `device` in `dtype`, with the fastest attention there (its
+    weights were checked against the model before the store was made: check_architecture)."""
     from ..target import load_target as load
 
-    return load(model_dir, device=device, dtype=dtype, attn_implementation=_attn_implementation(device))
+    return load(model_dir, device=device, dtype=dtype, attn_implementation=_attn_implementation(device),
+                checked=True)
 
 
 def attention_backends(device: torch.device, cudnn: bool = False) -> Any:
@@ -70,7 +72,8 @@ def decoder_base(model: Any, where: str) -> Any:
 
 
 def check_architecture(model_config: Any, where: str) -> None:
-    """Raise InputError unless the config builds a model dflash can run (checked on the meta device: no weights)."""
+    """Raise InputError unless the config builds a model dflash can run and the folder's weights are that model's
+    (both checked on the meta device: no tensor data is read)."""
     from transformers import AutoModelForCausalLM
 
     if getattr(model_config, "is_encoder_decoder", False):
@@ -89,6 +92,9 @@ def check_architecture(model_config: Any, where: str) -> None:
     finally:
         hf_logging.set_verbosity(verbosity)
     decoder_base(model, where)
+    from ..target import check_weights
+
+    check_weights(where)
 
 
 class TargetRunner:

@@ -263,11 +263,24 @@ def estimate_plan(cfg: Any, header: dict[str, Any], rows: list[Any], committed: 
     return plan
 
 
+def _read_only(path: str | None) -> bool:
+    """Return True if `path` lies on a file system mounted read-only."""
+    import os
+
+    try:
+        return bool(path) and bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def check_fits(plan: ExtractPlan, out: str) -> None:
     """Raise StoreError when the projected bytes still to write exceed the free space where the store goes."""
     need, free = plan.projected_left_bytes, plan.free_bytes
     if need is None or free is None or need <= free:
         return
+    if _read_only(plan.free_path):  # no room is not the news there: nothing can be written at all
+        raise StoreError(f"--out {out}: cannot write the store there ({plan.free_path} is on a read-only file "
+                         "system); pass a writable --out, or make this one writable and rerun the same command")
     raise StoreError(
         f"--out {out}: the store needs {_size(need)} more but {plan.free_path} has {_size(free)} free; "
         f"pass {fp8_advice()}, extract fewer rows, choose another --out, or --force to "

@@ -222,8 +222,8 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
     from ..storage import Store
     from .header import build_header, in_form_of
     from .progress import Progress, format_summary, summarise
-    from .template import ChatEncoder, load_template
-    from .worker import WorkerSpec, auto_writer_threads, host_buffers, run_worker
+    from .template import load_template
+    from .worker import WorkerSpec, auto_writer_threads, host_buffers
 
     # Everything that can refuse the run (devices, data, a folder without weights, an architecture dflash cannot
     # run) is checked before the store exists, so a refused run leaves no store behind.
@@ -290,14 +290,14 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
         len(devices), ",".join(devices), threads,
     )
     try:
-        if len(specs) == 1:
-            # The tokenizer read above serves the worker too (a second load cost a second of start-up).
-            encoder = (ChatEncoder(tokenizer, template, cfg.max_length, cfg.chat_template_kwargs),
-                       tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-            results = [run_worker(cfg, specs[0], rows, progress.update, timeline=tl, encoder=encoder,
-                                  model=loader.result if loader is not None else None, buffers=buffers)]
-        else:
-            results = _run_spawned(cfg, specs, progress)
+        results = _run_workers(cfg, specs, rows, progress, tl, tokenizer, template, loader, buffers)
+    except Exception:
+        # A run that made this store and failed before its first commit (a target that fails to load, weights that
+        # are not finite, a self-check that refuses) leaves no skeleton behind; peers launched beside it may still
+        # be writing, so only a world of one removes it.
+        if stored is None and ranks_from_env().world == 1 and store.discard_if_skeleton():
+            log.info("removed %s: this run made it and committed nothing", cfg.out)
+        raise
     finally:
         progress.close()
     summary_t0 = time.perf_counter()
@@ -318,6 +318,21 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
     tl.add("summary", time.perf_counter() - summary_t0)
     _report_timelines(cfg, results, tl if len(specs) == 1 else None)
     return summary
+
+
+def _run_workers(cfg: "ExtractConfig", specs: list[Any], rows: Any, progress: Any, tl: Any, tokenizer: Any,
+                 template: str, loader: Any, buffers: Any) -> list[dict[str, Any]]:
+    """Return each worker's result: the one in this process, or the spawned ones."""
+    from .template import ChatEncoder
+    from .worker import run_worker
+
+    if len(specs) == 1:
+        # The tokenizer read above serves the worker too (a second load cost a second of start-up).
+        encoder = (ChatEncoder(tokenizer, template, cfg.max_length, cfg.chat_template_kwargs),
+                   tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        return [run_worker(cfg, specs[0], rows, progress.update, timeline=tl, encoder=encoder,
+                           model=loader.result if loader is not None else None, buffers=buffers)]
+    return _run_spawned(cfg, specs, progress)
 
 
 def _report_timelines(cfg: "ExtractConfig", results: list[dict[str, Any]], own: Any) -> None:

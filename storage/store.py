@@ -143,6 +143,18 @@ class Store:
         ids = (parse_id(n, ".json") for n in self.fs.listdir(CLAIMS))
         return not any(claims.claim_is_live(claims.read_claim(self.fs, i)) for i in ids if i is not None)
 
+    def discard_if_skeleton(self) -> bool:
+        """Remove the store if it is a skeleton (is_skeleton), leaving no folder behind where it made one; return
+        True if it did. For a run that made the store and failed before its first commit."""
+        if not self.is_skeleton():
+            return False
+        for sub in (SHARDS, COMMITS, CLAIMS):
+            self.fs.rmtree(sub)
+        self.fs.rm(ROOT_META)
+        if not self.fs.listdir(""):
+            self.fs.rmtree("")
+        return True
+
     def commit_record(self, shard_id: int) -> dict:
         """Return a committed shard's record (counts, bytes, checksums, writer, extra); CorruptShard if damaged or
         written under another header.

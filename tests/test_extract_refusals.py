@@ -51,12 +51,13 @@ def _mount(path: Path, *opts: str) -> None:
 
 def test_a_read_only_out_is_one_line_and_a_complete_store_reruns_read_only(tmp_path, tiny_qwen3, data_file,  # noqa: F811
                                                                            capsys):
-    ro = tmp_path / "ro"
-    _mount(ro, "ro")
-    try:
-        _one_line(_extract(capsys, tiny_qwen3, data_file, ro / "store"), "cannot write the store there")
-    finally:
-        subprocess.run(["umount", "-l", str(ro)], check=False)
+    for opts in (("ro",), ("ro", "size=16k")):  # the second too small for the store: read-only is still the news
+        ro = tmp_path / "-".join(opts)
+        _mount(ro, *opts)
+        try:
+            _one_line(_extract(capsys, tiny_qwen3, data_file, ro / "store"), "cannot write the store there")
+        finally:
+            subprocess.run(["umount", "-l", str(ro)], check=False)
     mnt = tmp_path / "mnt"
     _mount(mnt)
     try:
@@ -70,3 +71,63 @@ def test_a_read_only_out_is_one_line_and_a_complete_store_reruns_read_only(tmp_p
         assert "samples" in again.stderr
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+_DOWN = "model.layers.2.mlp.down_proj.weight"  # [hidden 64, intermediate 128] in the tiny target
+
+
+def _damaged(src: Path, dst: Path, how: str) -> Path:
+    """Return a copy of a target folder whose model.safetensors is damaged one way."""
+    import json
+    import shutil
+    import struct
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    if how == "dtype":  # the header says F16 for 4-byte values: the same header length, the wrong bytes
+        raw = weights.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8:8 + n])
+        assert header[_DOWN]["dtype"] == "F32"
+        header[_DOWN]["dtype"] = "F16"
+        meta = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+        weights.write_bytes(raw[:8] + meta + raw[8 + n:])
+        return dst
+    sd = load_file(weights)
+    if how == "missing":
+        del sd[_DOWN]
+    elif how == "transposed":
+        sd[_DOWN] = sd[_DOWN].t().contiguous()
+    elif how == "nan":
+        sd[_DOWN] = sd[_DOWN].clone()
+        sd[_DOWN][3, 5] = float("nan")
+    save_file(sd, weights, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("how, text", [
+    ("missing", f"expected tensor {_DOWN}, found it in none of model.safetensors (the model would start it at random)"),
+    ("transposed", f"expected tensor {_DOWN} of shape [64, 128], found [128, 64] in model.safetensors"),
+    ("dtype", f"tensor {_DOWN} in model.safetensors: its header says F16 [64, 128] (16,384 bytes), the file holds "
+              "32,768 bytes"),
+    ("nan", f"tensor {_DOWN} holds 1 non-finite values (NaN or inf)"),
+])
+def test_damaged_weights_are_one_line_before_any_store_exists(tmp_path, tiny_qwen3, data_file, capsys, how,  # noqa: F811
+                                                             text):
+    model = _damaged(tiny_qwen3, tmp_path / how, how)
+    proc = _extract(capsys, model, data_file, tmp_path / "store")
+    _one_line(proc, text)
+    assert not (tmp_path / "store").exists()
+
+
+def test_two_arrays_in_one_data_file_are_refused_and_nothing_is_written(tmp_path, tiny_qwen3, data_file, capsys):  # noqa: F811
+    import json
+
+    rows = [json.loads(line) for line in data_file.read_text().splitlines()[:3]]
+    joined = tmp_path / "all.json"
+    joined.write_text(json.dumps(rows, indent=1) + "\n" + json.dumps(rows))
+    _one_line(_extract(capsys, tiny_qwen3, joined, tmp_path / "store"), "found more text at byte")
+    assert not (tmp_path / "store").exists()

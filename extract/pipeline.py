@@ -75,6 +75,30 @@ class _Work:
     forward: tuple[Any, Any] | None = None  # the forward's start and end events, when profiling on CUDA
 
 
+class _Thread:
+    """A daemon thread whose end is waited for on an Event, not with join().
+
+    On Python 3.11 a join() that a signal interrupts (SIGTERM or Ctrl-C raise in the main thread) can mark the
+    thread as stopped while it still runs, so the next join() returns at once: the cleanup after a SIGTERM then
+    released a shard's claim beside a commit still writing it. An Event's wait has no such state to lose.
+    """
+
+    def __init__(self, fn: Callable[[], None], name: str) -> None:
+        self._done = threading.Event()
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                self._done.set()
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    def wait(self) -> None:
+        """Return once the thread's function has returned (or raised)."""
+        self._done.wait()
+
+
 class HostBuffers:
     """The pinned host buffers a CUDA pipeline copies features into, allocated on a thread.
 
@@ -162,11 +186,11 @@ class FeaturePipeline:
             self._free.put(i)
         self._work: queue.Queue[_Work | None] = queue.Queue()
         self._failure: list[BaseException] = []
-        self._thread: threading.Thread | None = None
+        self._thread: _Thread | None = None
         # Callbacks (commits) run on their own thread, one at a time: on the writer's, a commit (the shard's last
         # chunks, its fsyncs) held back the next shard's batches until every host buffer was full and the device
         # stopped, at every shard boundary.
-        self._committer: threading.Thread | None = None
+        self._committer: _Thread | None = None
         # Where the writer thread's time goes (seconds): waiting for a batch's device-to-host copy (the device is
         # behind), and handing features to the sink (the sink is behind: copies, compression, disk).
         self.writer_times = {"copy_wait_s": 0.0, "sink_s": 0.0, "callback_wait_s": 0.0}
@@ -242,7 +266,7 @@ class FeaturePipeline:
         w0 = time.perf_counter()
         if self._thread is not None:
             self._work.put(None)
-            self._thread.join()
+            self._thread.wait()
             self._thread = None
         self._wait_callback()
         self._raise_failure()
@@ -250,12 +274,11 @@ class FeaturePipeline:
 
     def _ensure_writer(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._write_loop, name="dflash-writer", daemon=True)
-            self._thread.start()
+            self._thread = _Thread(self._write_loop, "dflash-writer")
 
     def _wait_callback(self) -> None:
         if self._committer is not None:
-            self._committer.join()
+            self._committer.wait()
             self._committer = None
 
     def _start_callback(self, fn: Callable[[], None]) -> None:
@@ -273,8 +296,7 @@ class FeaturePipeline:
             except BaseException as e:  # handed to the forward loop, which re-raises it in its own thread
                 self._failure.append(e)
 
-        self._committer = threading.Thread(target=run, name="dflash-commit", daemon=True)
-        self._committer.start()
+        self._committer = _Thread(run, "dflash-commit")
 
     def _raise_failure(self) -> None:
         if self._failure:

@@ -2,6 +2,7 @@
 slots (ranks x grad-accum) stay the same; a GPU count that cannot share the slots is refused with the ones that can."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import signal
@@ -46,6 +47,11 @@ def test_resume_takes_grad_accum_from_the_recorded_slots(tmp_path):
     assert resume_grad_accum(cfg, 2).grad_accum == 2
     with pytest.raises(ConfigError, match="4 slots .* 3 GPU.* resume on 1, 2, 4 GPU"):
         resume_grad_accum(cfg, 3)
+    # A --grad-accum asked for (not the default 1) that makes other slots is refused, not quietly replaced.
+    asked = dataclasses.replace(cfg, grad_accum=2)
+    assert resume_grad_accum(asked, 2) is asked
+    with pytest.raises(ConfigError, match="--grad-accum 2 on 1 GPU.* makes 2 slots, the run has 4; leave --grad-accum out"):
+        resume_grad_accum(asked, 1)
     fresh = TrainConfig(store="s", target="t", out=str(tmp_path / "new"), resume=True, grad_accum=3)
     assert resume_grad_accum(fresh, 3) is fresh  # nothing recorded yet: the options decide
 

@@ -173,6 +173,9 @@ def test_sigkill_then_resume_takes_exactly_the_uninterrupted_steps(store, tiny_q
     assert kill_at <= len(before) < len(expected)
     train(**opts(store, tiny_qwen3, killed, resume=True, **kw))
     assert losses(killed) == expected  # bit-exact on CPU: same steps, same losses
+    # Every published checkpoint keeps its event, the one resumed from included (`dflash run` waits on them).
+    events = [[r["step"] for r in read_metrics(run) if r.get("event") == "checkpoint"] for run in (full, killed)]
+    assert events[0] == events[1] and events[0][-1] == len(expected)
     a = (full / "checkpoints" / f"step-{len(expected):06d}" / "model.safetensors").read_bytes()
     b = (killed / "checkpoints" / f"step-{len(expected):06d}" / "model.safetensors").read_bytes()
     assert a == b

@@ -53,13 +53,17 @@ def read_metrics(run: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def truncate_metrics(run: str | os.PathLike, step: int) -> int:
-    """Rewrite metrics.jsonl without what was logged after the checkpoint we resume from (later steps, and the
-    epoch-end and validation records of its own step), which the resumed run logs again; return how many went."""
+    """Rewrite metrics.jsonl without what was logged after the checkpoint we resume from (later steps and events,
+    and the epoch-end and validation records of its own step), which the resumed run logs again; return how many
+    went."""
     path = Path(run) / METRICS_FILE
     if not path.is_file():
         return 0
     records = read_metrics(run)
-    keep = [r for r in records if int(r.get("step", 0)) < step or (r.get("step") == step and r.get("split") == "train")]
+    # Kept of the checkpoint's own step: its training record, and the event that says it was published (a rerun
+    # does not publish it again).
+    keep = [r for r in records if int(r.get("step", 0)) < step
+            or (r.get("step") == step and (r.get("split") == "train" or r.get("event") == "checkpoint"))]
     write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
     return len(records) - len(keep)
 

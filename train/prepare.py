@@ -102,7 +102,8 @@ def resume_grad_accum(cfg: "TrainConfig", world: int) -> "TrainConfig":
     """Return cfg with the grad-accum that keeps a resumed run's slots on `world` ranks (cfg itself otherwise).
 
     Batches are a function of the slots (world x grad-accum) alone, so a run resumed on another GPU count takes the
-    same global batches when grad-accum = recorded slots / world; ConfigError naming the counts that divide them.
+    same global batches when grad-accum = recorded slots / world; ConfigError naming the counts that divide them,
+    or when --grad-accum was given (not the default 1) and makes other slots.
     """
     import dataclasses
 
@@ -110,13 +111,18 @@ def resume_grad_accum(cfg: "TrainConfig", world: int) -> "TrainConfig":
     slots = (saved or {}).get("resolved", {}).get("num_slots")
     if not slots or world * cfg.grad_accum == slots:
         return cfg
+    if cfg.grad_accum != 1:  # asked for: another value would change every batch from here on
+        raise ConfigError(
+            f"--resume {cfg.out}: --grad-accum {cfg.grad_accum} on {world} GPU(s) makes {world * cfg.grad_accum} "
+            f"slots, the run has {slots}; leave --grad-accum out (resume picks the value that keeps the run's slots) "
+            "or train into a new --out")
     if slots % world:
         fits = [n for n in range(1, slots + 1) if slots % n == 0]
         raise ConfigError(
             f"--resume {cfg.out}: the run has {slots} slots (GPUs x --grad-accum), which {world} GPU(s) cannot "
             f"share; resume on {', '.join(map(str, fits))} GPU(s), or train into a new --out"
         )
-    log.info("--resume on %d GPU(s): --grad-accum %d keeps the run's %d slots", world, slots // world, slots)
+    log.warning("--resume on %d GPU(s): --grad-accum %d keeps the run's %d slots", world, slots // world, slots)
     return dataclasses.replace(cfg, grad_accum=slots // world)
 
 

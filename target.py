@@ -54,95 +54,104 @@ def load_target(path: str | os.PathLike, *, device: Any = "cpu", dtype: Any = "f
     return model
 
 
-def _header_problem(file: Path) -> str | None:
-    """Return what is wrong with a safetensors file's tensors against its own header (a tensor's bytes that do not
-    match its dtype and shape), or None; the header alone is read."""
+_SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                      "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _headers(file: Path) -> dict[str, Any] | None:
+    """Return {tensor name: {dtype, shape, data_offsets}} of a safetensors file's header (None if it has none)."""
     import json
-    import math
     import struct
 
-    sizes = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
     try:
         with open(file, "rb") as f:
             n = struct.unpack("<Q", f.read(8))[0]
             header = json.loads(f.read(n))
-        for name, t in header.items():
-            if name == "__metadata__" or t.get("dtype") not in sizes:
-                continue
-            begin, end = t["data_offsets"]
-            want = math.prod(t["shape"]) * sizes[t["dtype"]]
-            if end - begin != want:
-                return (f"tensor {name} in {file.name}: its header says {t['dtype']} {list(t['shape'])} ({want:,} "
-                        f"bytes), the file holds {end - begin:,} bytes for it")
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return {k: v for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, struct.error):
         return None  # not whole: the load (or the store's fingerprint) names that in its own words
-    return None
 
 
 def check_weights(path: str | os.PathLike, *, option: str = "--model") -> None:
-    """Raise InputError unless the folder's weights are every tensor its model expects, each of the shape the model
-    expects: read from the safetensors headers and the model built on the meta device, no tensor data.
+    """Raise InputError unless the folder's safetensors weights are every tensor its causal LM expects, each of the
+    shape it expects, with bytes that match each header's dtype and shape: the headers alone are read (no tensor
+    data), and the model is built on the meta device and "loaded" from them by transformers' own key mapping.
 
     transformers itself would initialise a missing tensor at random and go on (features from a model that is not
     the target, in silence), and stop on a shape mismatch with a traceback. Tensors the model does not use (a
-    vision tower, multi-token-prediction heads) are left alone, as its load leaves them.
+    vision tower, multi-token-prediction heads) are left alone, as its load leaves them. Folders of other weight
+    formats are left to the load.
     """
+    import math
+
     import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     folder = Path(path)
-    files = weight_files(folder)
+    files = [f for f in weight_files(folder) if f.suffix == ".safetensors"]
     fix = "re-download or re-save the model's weights"
+    meta: dict[str, Any] = {}
+    where: dict[str, str] = {}
     for f in files:
-        if f.suffix == ".safetensors" and (wrong := _header_problem(f)):
-            raise InputError(f"{option} {path}: {wrong}; {fix}")
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()  # its load report is ours to word, in one line
-    hf_logging.disable_progress_bar()
-    try:
-        _, info = AutoModelForCausalLM.from_pretrained(os.fspath(folder), device_map="meta", dtype=torch.float32,
-                                                       output_loading_info=True, ignore_mismatched_sizes=True)
-    except Exception:  # noqa: BLE001 - a folder the load cannot read: load_target reports it in its own words
+        header = _headers(f)
+        if header is None:
+            return
+        for name, t in header.items():
+            try:
+                size = _SAFETENSORS_BYTES[t["dtype"]]
+                begin, end = t["data_offsets"]
+                shape = [int(d) for d in t["shape"]]
+            except (KeyError, TypeError, ValueError):
+                continue  # a dtype of its own: the load decides
+            if end - begin != math.prod(shape) * size:
+                raise InputError(f"{option} {path}: tensor {name} in {f.name}: its header says {t['dtype']} {shape} "
+                                 f"({math.prod(shape) * size:,} bytes), the file holds {end - begin:,} bytes for it; "
+                                 f"{fix}")
+            meta[name] = torch.empty(shape, dtype=torch.float32, device="meta")
+            where[name] = f.name
+    if not meta:
         return
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-    where = ", ".join(f.name for f in files) or "no weight file"
+    info = _meta_load(folder, meta)
+    if info is None:
+        return
     if info.get("mismatched_keys"):
         name, found, want = sorted(info["mismatched_keys"], key=str)[0]
         more = len(info["mismatched_keys"]) - 1
         raise InputError(
             f"{option} {path}: expected tensor {name} of shape {list(want)}, found {list(found)} in "
-            f"{_file_of(folder, name, files)}{f' (and {more} more mismatched)' if more else ''}; {fix}")
+            f"{where.get(name, ', '.join(f.name for f in files))}{f' (and {more} more mismatched)' if more else ''}; "
+            f"{fix}")
     if info.get("missing_keys"):
         missing = sorted(info["missing_keys"])
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise InputError(f"{option} {path}: expected tensor {missing[0]}{more}, found it in none of {where} (the "
-                         f"model would start it at random); {fix}")
+        raise InputError(f"{option} {path}: expected tensor {missing[0]}{more}, found it in none of "
+                         f"{', '.join(f.name for f in files)} (the model would start it at random); {fix}")
 
 
-def _file_of(folder: Path, name: str, files: list[Path]) -> str:
-    """Return the weight file that holds tensor `name` (by the index or the headers), or the folder's files."""
-    import json
+def _meta_load(folder: Path, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """Return transformers' loading info (missing, mismatched keys) of the folder's causal LM built on the meta
+    device and loaded from `state_dict` (meta tensors); None where transformers cannot build it this way (the real
+    load then reports in its own words)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    index = folder / "model.safetensors.index.json"
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # its load report is ours to word, in one line
+    hf_logging.disable_progress_bar()
     try:
-        return json.loads(index.read_text())["weight_map"][name]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    from safetensors import safe_open
+        from transformers.models.auto.auto_factory import _get_model_class
 
-    for f in files:
-        try:
-            with safe_open(os.fspath(f), framework="pt") as st:
-                if name in st.keys():
-                    return f.name
-        except Exception:  # noqa: BLE001 - not a safetensors file: not the one
-            continue
-    return ", ".join(f.name for f in files)
+        config = AutoConfig.from_pretrained(os.fspath(folder))
+        cls = _get_model_class(config, AutoModelForCausalLM._model_mapping)
+        _, info = cls.from_pretrained(None, config=config, state_dict=state_dict, device_map="meta",
+                                      output_loading_info=True, ignore_mismatched_sizes=True)
+        return info
+    except Exception as e:  # noqa: BLE001 - another transformers, a config it cannot build: the load decides
+        log.debug("no weight check for %s: %s", folder, e)
+        return None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def check_finite(named: Any, path: str | os.PathLike, option: str = "--model") -> None:

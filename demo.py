@@ -189,7 +189,7 @@ def decode_prompts(path: Path, drafter_dir: Path, target_dir: Path, prompts: lis
     import torch
 
     from .chatfiles import jsonl_lines
-    from .drafter.decode import compare_one, drafter_proposer, load_target, static_decoder, summarize
+    from .decode.speculative import compare_one, drafter_proposer, load_target, static_decoder, summarize
     from .train.checkpoint import open_drafter
 
     if numerics and numerics != ["float32"]:

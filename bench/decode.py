@@ -160,7 +160,7 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from dflash.drafter.model import DFlashDrafter, DrafterConfig
-    from dflash.drafter.static_decode import StaticDecoder
+    from dflash.decode.static import StaticDecoder
     from dflash.facts import build_target_layer_ids
 
     device = torch.device("cpu" if args.smoke else "cuda")

@@ -241,7 +241,8 @@ IMPORT_SET = ("import dflash.cli\n"
               "import torch\n"
               "from transformers import AutoConfig, AutoTokenizer\n"
               "import numcodecs.blosc, dflash.storage\n"
-              "from dflash.extract import orchestrate, capture, header, loader, pipeline, progress, template, worker\n"
+              "from dflash.extract import orchestrate, header, loader, pipeline, progress, template, worker\n"
+              "from dflash.target import adapter, load, runner\n"
               "import transformers.modeling_utils\n"
               "try:\n    import flash_attn\nexcept ImportError:\n    pass\n")
 
@@ -342,13 +343,14 @@ def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.de
 
     Passes over the same batches: the first in a fresh load (cold, as the command's only pass), a second (warm);
     with cudnn, two more with SDPA free to pick cuDNN's attention (extract excludes it: it plans each new shape,
-    extract/capture.attention_backends), the first of them cold for its plans. `best_tok_s` is the fastest pass: the
+    target/runner.attention_backends), the first of them cold for its plans. `best_tok_s` is the fastest pass: the
     most this GPU gave for the work.
     """
     from transformers import AutoTokenizer
 
     from dflash.config import ExtractConfig
-    from dflash.extract.capture import TargetRunner, load_target, pad_batch
+    from dflash.target.load import load_for_features
+    from dflash.target.runner import TargetRunner, pad_batch
     from dflash.chatfiles import read_rows
     from dflash.extract.plan import pack_batches, shard_ranges
     from dflash.extract.template import ChatEncoder, load_template
@@ -365,7 +367,7 @@ def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.de
         samples, _ = prepare_shard(rows[a:b], encoder, cfg.min_loss_tokens, False)
         lengths = [len(s.input_ids) for s in samples]
         batches += [pad_batch([samples[i].input_ids for i in idx], 0) for idx in pack_batches(lengths, cfg.batch_tokens)]
-    runner = TargetRunner(load_target(cfg.model, device, torch.bfloat16), header["layer_ids"], check=False)
+    runner = TargetRunner(load_for_features(cfg.model, device, torch.bfloat16), header["layer_ids"], check=False)
     tokens = sum(sum(lens) for _, lens in batches)
     settle()
     passes = []

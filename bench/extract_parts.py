@@ -16,7 +16,7 @@ Variants (--variants, comma-separated; each runs every shard of the case once):
   tok_w4        tok with 4 compression threads instead of the machine's share
   tok_profile   tok with --profile's CUDA events around each forward and copy
   *_cudnn       hidden_cudnn, features_cudnn, tok_cudnn: the same with SDPA free to pick cuDNN's attention, which
-                the runner excludes (extract/capture.attention_backends: cuDNN plans each new shape)
+                the runner excludes (target/runner.attention_backends: cuDNN plans each new shape)
   empty_cache   no pass: torch.cuda.empty_cache(), so the next variant's allocations go to the driver again
 A variant may be named more than once (e.g. hidden,hidden,empty_cache,hidden: a cold pass, a warm one, and one
 after the allocator's cache was emptied).
@@ -89,7 +89,8 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
     """Return the case's config, header, rows, encoder, runner and per-shard samples (the command's own steps)."""
     from dflash.chatfiles import read_rows
     from dflash.config import ExtractConfig
-    from dflash.extract.capture import TargetRunner, load_target
+    from dflash.target.load import load_for_features
+    from dflash.target.runner import TargetRunner
     from dflash.extract.header import build_header
     from dflash.extract.orchestrate import _model_files
     from dflash.extract.plan import shard_ranges
@@ -111,7 +112,7 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
     encoder = ChatEncoder(tokenizer, template, cfg.max_length, cfg.chat_template_kwargs)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     t0 = time.perf_counter()
-    runner = TimedRunner(TargetRunner(load_target(cfg.model, device, torch.bfloat16), header["layer_ids"]))
+    runner = TimedRunner(TargetRunner(load_for_features(cfg.model, device, torch.bfloat16), header["layer_ids"]))
     print(f"target loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     ranges = shard_ranges(len(rows), header["shard_plan"]["rows_per_shard"])
     t0 = time.perf_counter()
@@ -132,7 +133,7 @@ def _alloc_stats(device: torch.device) -> dict[str, int]:
 
 def run_variant(name: str, ctx: dict[str, Any]) -> dict[str, Any]:
     """Return the figures of one variant over every shard of the case."""
-    from dflash.extract.capture import pad_batch
+    from dflash.target.runner import pad_batch
     from dflash.extract.pipeline import DiscardSink, FeaturePipeline
     from dflash.extract.plan import pack_batches
     from dflash.extract.timeline import Timeline

@@ -39,7 +39,7 @@ def _stored(tokenizer, messages, text: str, prompt_ids: list[int]) -> list[int]:
 
 
 def _batched(folder, tokenizer, chats, prompts, tokens: int, batch: int, stops, dtype) -> list[list[int]]:
-    from dflash.target import load_target
+    from dflash.target.load import load_target
 
     model = load_target(folder, device="cpu", dtype=dtype)
     tokenizer.padding_side = "left"
@@ -68,7 +68,7 @@ def _features(target, ids: list[int], layer_ids) -> torch.Tensor:
 
 def _train(folder, target, prompts, answers, layer_ids, mask_id, steps: int, block: int):
     from dflash.drafter.model import DFlashDrafter, DrafterConfig
-    from dflash.drafter.target_head import load_target_head
+    from dflash.target.head import load_target_head
     from dflash.train.objective import drafter_loss, pack_batch
 
     cfg = DrafterConfig.from_target(folder, target_layer_ids=layer_ids, mask_token_id=mask_id, draft_layers=1,
@@ -97,7 +97,7 @@ def _train(folder, target, prompts, answers, layer_ids, mask_id, steps: int, blo
 
 
 def _score(target, drafter, prompts, stored, layer_ids, tokens: int, stops) -> dict:
-    from dflash.drafter.decode import (block_anchors, decoding_walk, drafter_proposer, speculative_decode,
+    from dflash.decode.speculative import (block_anchors, decoding_walk, drafter_proposer, speculative_decode,
                                        teacher_forced)
 
     B = drafter.config.block_size
@@ -164,7 +164,7 @@ def main() -> None:
 
     from dflash.assets import smollm2_folder
     from dflash.demo import SMOLLM2_MASK_TOKEN
-    from dflash.drafter.decode import greedy_decode, load_target
+    from dflash.decode.speculative import greedy_decode, load_target
     from dflash.facts import build_target_layer_ids
 
     folder = smollm2_folder()

@@ -1,5 +1,6 @@
 """dflash.drafter: the DFlash drafter and what it eats: the model, its packed input layout, attention masks and
-kernels, the target's frozen head, the drafter's folder format, and speculative decoding with it.
+kernels, and the drafter's folder format.
 
-It imports neither storage/ nor train/, so eval, export, the demo and benchmarks use it without the training loop.
+It imports neither storage/, train/ nor target/ (it runs no target), so eval, export, the demo, decoding and the
+benchmarks use it without the training loop.
 """

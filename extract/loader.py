@@ -56,7 +56,8 @@ class BackgroundLoad:
                 import torch
                 import transformers.modeling_utils  # noqa: F401  (the bulk of what the check and load import)
 
-                from .capture import check_architecture, load_target
+                from ..target.adapter import check_architecture
+                from ..target.load import load_for_features
             with self._tl.stage("model_check", main=False):
                 check_architecture(self._config, self.model_dir)
         except BaseException as e:  # handed to checked() and result(), in the caller's thread
@@ -74,7 +75,7 @@ class BackgroundLoad:
                     torch.cuda.set_device(dev)
                     torch.cuda.init()
             with self._tl.stage("model_load", main=False):
-                self._model = load_target(self.model_dir, dev, getattr(torch, self.dtype))
+                self._model = load_for_features(self.model_dir, dev, getattr(torch, self.dtype))
         except BaseException as e:
             self._error = e
         finally:

@@ -61,7 +61,7 @@ def _stored(url: str) -> tuple[dict[str, Any] | None, bool]:
 
 
 def _resolve_dtype(cfg: "ExtractConfig", device: str, stored: dict[str, Any] | None) -> "ExtractConfig":
-    """Return cfg with --dtype made concrete (numerics.py, logging why), as the header records it.
+    """Return cfg with --dtype made concrete (target/numerics.py, logging why), as the header records it.
 
     A store being resumed keeps the dtype it was extracted in when --dtype is auto, even where auto would now pick
     another: its shards must all come from one numerics, and another dtype would refuse the header anyway.
@@ -69,7 +69,7 @@ def _resolve_dtype(cfg: "ExtractConfig", device: str, stored: dict[str, Any] | N
     import dataclasses
 
     from ..config import DTYPES
-    from ..numerics import resolve_dtype
+    from ..target.numerics import resolve_dtype
 
     recorded = (stored or {}).get("compute_dtype")
     dtype = resolve_dtype(cfg.dtype, device, auto=recorded if recorded in DTYPES else None,
@@ -131,7 +131,8 @@ def _timed_imports(tl: Any) -> None:
 
         from .. import storage  # noqa: F401
     with tl.stage("import_dflash"):
-        from . import capture, header, loader, progress, template, worker  # noqa: F401
+        from ..target import adapter, load, runner  # noqa: F401
+        from . import header, loader, progress, template, worker  # noqa: F401
 
 
 def _model_files(model: str) -> tuple[Any, Any]:
@@ -173,8 +174,8 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
 
 
 def _prefetch(cfg: "ExtractConfig", tl: Any) -> Any:
-    """Start reading the target's weight files into the page cache, beside the imports (target.WeightPrefetch)."""
-    from ..target import WeightPrefetch
+    """Start reading the target's weight files into the page cache, beside the imports (target/load.py's WeightPrefetch)."""
+    from ..target.load import WeightPrefetch
 
     prefetch = WeightPrefetch(cfg.model, on_done=lambda s: tl.add("model_prefetch", s, main=False))
     return prefetch.start()
@@ -183,7 +184,7 @@ def _prefetch(cfg: "ExtractConfig", tl: Any) -> Any:
 def _run(cfg: "ExtractConfig", tl: Any) -> dict[str, Any]:
     """Return run()'s summary (its timeline started, the weights being read)."""
     _timed_imports(tl)
-    from .capture import check_architecture
+    from ..target.adapter import check_architecture
     from .loader import BackgroundLoad
 
     with tl.stage("model_config"):

@@ -12,7 +12,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from .capture import TargetRunner, pad_batch
+from ..target.runner import TargetRunner, pad_batch
 from .plan import pack_batches
 
 __all__ = ["Sample", "Sink", "DiscardSink", "PipelineStats", "HostBuffers", "FeaturePipeline"]

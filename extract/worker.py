@@ -133,7 +133,8 @@ def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, 
 
     import torch
 
-    from .capture import TargetRunner, load_target
+    from ..target.load import load_for_features
+    from ..target.runner import TargetRunner
     from .pipeline import FeaturePipeline
 
     def stage(name: str) -> Any:
@@ -149,7 +150,7 @@ def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, 
         buffers = host_buffers(cfg, header, device)
     if model is None:
         with stage("model_load"):
-            model = load_target(cfg.model, dev, getattr(torch, cfg.dtype))
+            model = load_for_features(cfg.model, dev, getattr(torch, cfg.dtype))
     with stage("runner"):  # the truncated runner and its self-check against the full model
         runner = TargetRunner(model, header["layer_ids"])
     with stage("host_buffers"):  # waiting for the pinned host buffers features are copied into

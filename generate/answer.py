@@ -21,7 +21,8 @@ from ..atomic import append_lines, repair_torn_tail
 from ..chatfiles import prompt_turns
 from ..errors import ConfigError, InputError
 from ..runtime import Progress as Display
-from .model import NUMERICS, Loaded, check_identity, load, resolve
+from ..target.load import Loaded, load_for_chat
+from .model import NUMERICS, check_identity, resolve
 from .prompts import Conversation, Prompt, read_prompts, written_lines
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ def run(cfg: "GenerateConfig") -> GenerateResult:
     if cfg.backend == "vllm":
         render, answer = _vllm_backend(cfg)
     else:
-        target = load(cfg)
+        target = load_for_chat(cfg.model, cfg.device, cfg.dtype)
         render = _renderer(target.tokenizer, cfg.chat_template_kwargs)
         answer = (_fast_backend if cfg.engine == "fast" else _transformers_backend)(cfg, target)
     turns = sum(p.turns for p in pending)
@@ -254,7 +255,7 @@ def _transformers_backend(cfg: "GenerateConfig", target: Loaded):
         order = sorted(requests, key=lambda r: (len(r[1]), r[0]))
         for b in range(0, len(order), cfg.batch_size):
             part = order[b : b + cfg.batch_size]
-            # Left padding (load() sets it): generation continues every row at the same column.
+            # Left padding (load_for_chat sets it): generation continues every row at the same column.
             enc = tokenizer.pad({"input_ids": [ids for _, ids in part]}, return_tensors="pt")
             enc = {k: v.to(cfg.device) for k, v in enc.items()}
             if sample:

@@ -1,12 +1,11 @@
 """The target as `dflash generate` runs it: the numerics (dtype, engine, device) resolved and recorded beside the
-output, the tokenizer and model loaded, and the stop tokens named."""
+output, and the tokenizer and model loaded (target/load.py)."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +15,7 @@ from ..errors import ConfigError, InputError
 if TYPE_CHECKING:
     from ..config import GenerateConfig
 
-__all__ = ["Loaded", "resolve", "check_identity", "load"]
+__all__ = ["resolve", "check_identity"]
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ def resolve(cfg: "GenerateConfig") -> "GenerateConfig":
     # "The capital of France is Paris." became "L'Etoile, ..."; even eager attention changed 9 of 16 answers
     # between batch 16 and batch 1. fp32 kept 8 of 8 answers identical between batch 8 and batch 1, so auto
     # uses it there, at a cost (bf16 decoded up to ~3x faster on this AVX512-bf16 CPU). GPUs keep the folder's.
-    from ..numerics import resolve_dtype
+    from ..target.numerics import resolve_dtype
 
     if cfg.device == "cpu":
         auto = "float32"
@@ -91,40 +90,3 @@ def check_identity(cfg: "GenerateConfig", out: Path, fields: tuple[str, ...]) ->
                 f"({saved_path}); rerun with {flag} {shown(old)} or pass a new --out"
             )
 
-
-@dataclass
-class Loaded:
-    """The tokenizer and model of a run, with the stop tokens and the pad token its batches use."""
-
-    tokenizer: Any
-    model: Any
-    stop_ids: list[int]
-    pad_id: int
-
-
-def load(cfg: "GenerateConfig") -> Loaded:
-    """Return the tokenizer and model of a resolved config, on its device in its dtype."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from ..target import load_target
-
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: expected a CUDA device, found none; rerun with --device cpu")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    if not tokenizer.chat_template:
-        raise InputError(f"--model {cfg.model}: expected a tokenizer with a chat template, found none")
-    model = load_target(cfg.model, device=cfg.device, dtype=cfg.dtype)
-    # Left padding (plain engine) keeps every prompt's last token at the same column, where generation continues.
-    tokenizer.padding_side = "left"
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if tokenizer.pad_token_id is None:  # some conversions (transformers 5.17 from GGUF) name no pad token
-        tokenizer.pad_token_id = pad_id
-    stops = {tokenizer.eos_token_id}
-    gen_eos = model.generation_config.eos_token_id
-    stops |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
-    stops.discard(None)
-    if not stops:
-        raise InputError(f"--model {cfg.model}: expected an eos token in the tokenizer or generation config, found none")
-    log.info("generate: %s on %s in %s, engine %s", cfg.model, cfg.device, cfg.dtype, cfg.engine)
-    return Loaded(tokenizer, model, sorted(stops), pad_id)

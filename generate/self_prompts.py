@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 from ..atomic import append_lines, repair_torn_tail
 from ..errors import ConfigError, InputError
 from ..runtime import Progress
-from .model import NUMERICS, check_identity, load, resolve
+from ..target.load import load_for_chat
+from .model import NUMERICS, check_identity, resolve
 from .prompts import read_prompts, written_lines
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def run(cfg: "GenerateConfig") -> Any:
     log.info("self-prompts: %d of %d in %s, continuing from draw %d", have, want, out, draw)
     if have >= want:
         return GenerateResult(want, 0, have, 0, 0.0)
-    target = load(cfg)
+    target = load_for_chat(cfg.model, cfg.device, cfg.dtype)
     prefix, end = prefix_ids(target.tokenizer)
     decoder = FastDecoder(target.model, slots=cfg.batch_size, max_new_tokens=MAX_PROMPT_TOKENS,
                           stop_ids=target.stop_ids + end, temperature=TEMPERATURE, seed=cfg.seed)

@@ -17,7 +17,7 @@ from test_train_run import cli, flags, losses, opts, store, toy_data, train  # n
 
 from dflash.errors import ConfigError, DflashError, InputError
 from dflash.drafter.conv import GroupedDynamicCausalConv
-from dflash.drafter.decode import compare_on_prompts, load_target
+from dflash.decode.speculative import compare_on_prompts, load_target
 from dflash.drafter.files import check_serving_tensors, save_drafter_files, serving_tensors, write_export
 from dflash.drafter.linear_ce import candidate_logits, chunked_linear_ce, chunked_linear_ce_topk
 from dflash.drafter.model import DFlashDrafter, DrafterConfig, unary_logits

@@ -13,7 +13,7 @@ from dflash.facts import build_target_layer_ids
 from dflash.drafter.model import DFlashDrafter, DrafterConfig, draft_logits
 from dflash.train.objective import drafter_loss, pack_batch
 from dflash.drafter.attention import make_attend
-from dflash.drafter.target_head import load_target_head
+from dflash.target.head import load_target_head
 
 
 def _drafter(target, *, B: int = 5, sliding: int | None = None, dtype=torch.float64, seed: int = 0):

@@ -12,7 +12,7 @@ from dflash.drafter.files import load_drafter, save_drafter_files
 from dflash.train.checkpoint import find_checkpoint
 from dflash.train.export import export_drafter
 from dflash.drafter.model import DFlashDrafter, DrafterConfig, draft_logits
-from dflash.drafter.target_head import load_target_head
+from dflash.target.head import load_target_head
 
 
 @pytest.fixture()

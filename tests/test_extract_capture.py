@@ -4,14 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.extract.capture import TargetRunner, load_target, pad_batch
+from dflash.target.load import load_for_features
+from dflash.target.runner import TargetRunner, pad_batch
 from test_extract_run import one_torch_thread  # noqa: F401
 
 LAYERS = [1, 3, 5]
 
 
 def _full(path, dtype):
-    return load_target(path, torch.device("cpu"), dtype)
+    return load_for_features(path, torch.device("cpu"), dtype)
 
 
 @pytest.mark.parametrize("target", ["tiny_qwen3", "tiny_llama"])
@@ -57,7 +58,7 @@ def test_runner_drops_everything_after_the_last_captured_layer(tiny_qwen3):
 
 
 def test_cuda_extraction_leaves_cudnn_attention_out_and_restores_the_choice():
-    from dflash.extract.capture import attention_backends
+    from dflash.target.runner import attention_backends
 
     flags = torch.backends.cuda
     before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled())

@@ -26,16 +26,16 @@ def _extract(model: Path, data: Path, out: Path) -> list[str]:
 
 
 def _patched(load: str, model: Path, data: Path, out: Path) -> list[str]:
-    """Return the command line of _extract with capture.load_target replaced by `load` (Python source of a
+    """Return the command line of _extract with target/load.py's load_for_features replaced by `load` (Python source of a
     function body with model_dir, device, dtype in scope): a load that fails or hangs where the real one would."""
-    src = ("import sys, time\nimport dflash.extract.capture as capture\nfrom dflash.errors import InputError\n"
-           f"def load_target(model_dir, device, dtype):\n    {load}\ncapture.load_target = load_target\n"
+    src = ("import sys, time\nimport dflash.target.load as loading\nfrom dflash.errors import InputError\n"
+           f"def load_for_features(model_dir, device, dtype):\n    {load}\nloading.load_for_features = load_for_features\n"
            "from dflash.cli import main\nmain()\n")
     return [sys.executable, "-c", src, *_extract(model, data, out)[3:]]
 
 
 def _no_claims(out: Path) -> bool:
-    return not list((out / "claims").iterdir())
+    return not (out / "claims").exists() or not list((out / "claims").iterdir())
 
 
 def _one_line(proc: subprocess.CompletedProcess, text: str) -> str:
@@ -99,13 +99,13 @@ def test_missing_weights_refuse_in_one_line_without_a_store(tiny_qwen3, data_fil
 
 def test_a_failed_background_load_is_the_same_one_line_error(tiny_qwen3, data_file, tmp_path):  # noqa: F811
     # What the header cannot see (out of memory, a loader's own refusal) fails on the load's thread: the main
-    # thread reports it as the in-line load did, in one line, and leaves no claim behind.
+    # thread reports it as the in-line load did, in one line, and leaves no claim (nor the empty store) behind.
     out = tmp_path / "store"
     load = "time.sleep(1); raise InputError(f'--model {model_dir}: expected loadable weights, found none (test)')"
     proc = subprocess.run(_patched(load, tiny_qwen3, data_file, out), capture_output=True, text=True, env=_ENV,
                           timeout=300)
     _one_line(proc, "expected loadable weights, found none (test)")
-    assert _no_claims(out)
+    assert not out.exists()  # the store this run made, empty, went with it
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
@@ -133,7 +133,7 @@ def test_a_signal_during_the_load_stops_promptly(tiny_qwen3, data_file, tmp_path
 
 
 def test_the_prefetch_reads_every_weight_file_once(tmp_path):
-    from dflash.target import WeightPrefetch
+    from dflash.target.load import WeightPrefetch
 
     (tmp_path / "config.json").write_text("{}")
     sizes = {"model-00001-of-00002.safetensors": 3 << 20, "model-00002-of-00002.safetensors": (1 << 20) + 7,
@@ -149,7 +149,7 @@ def test_the_prefetch_reads_every_weight_file_once(tmp_path):
 
 @pytest.mark.parametrize("case", ["too_large", "no_folder", "no_weights"])
 def test_the_prefetch_skips_what_it_should_not_read(tmp_path, case):
-    from dflash.target import WeightPrefetch
+    from dflash.target.load import WeightPrefetch
 
     (tmp_path / "model.safetensors").write_bytes(b"x" * 4096)
     folder = {"too_large": tmp_path, "no_folder": tmp_path / "absent", "no_weights": tmp_path / "empty"}[case]
@@ -162,7 +162,7 @@ def test_the_prefetch_skips_what_it_should_not_read(tmp_path, case):
 
 
 def test_a_cancelled_prefetch_stops_at_the_next_block(tmp_path):
-    from dflash.target import WeightPrefetch
+    from dflash.target.load import WeightPrefetch
 
     (tmp_path / "model.safetensors").write_bytes(b"x" * (8 << 20))
     p = WeightPrefetch(tmp_path, block=1 << 20, available=1 << 40)

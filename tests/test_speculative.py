@@ -9,7 +9,7 @@ import torch
 from dflash.errors import InputError
 from dflash.facts import build_target_layer_ids
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
-from dflash.drafter.decode import (
+from dflash.decode.speculative import (
     block_anchors,
     compare_on_prompts,
     decoding_walk,
@@ -166,7 +166,7 @@ def test_open_drafter_names_the_missing_folder(tmp_path):
 
 
 def test_the_cache_reaches_targets_of_older_and_newer_transformers():
-    from dflash.drafter.decode import _with_cache
+    from dflash.decode.speculative import _with_cache
 
     class Older(torch.nn.Module):  # transformers before the rename: the cache is `past_key_values`
         def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
@@ -221,7 +221,7 @@ def test_oracle_and_always_wrong_proposers_give_the_known_tau_both_ways(target, 
 def _fitted_drafter(tiny_qwen3, target, layer_ids, answers, block_size=4, steps=150):
     """Return a drafter trained by the training objective on the target's greedy answers to FIT_PROMPTS (overfit on
     purpose: it must accept some blocks and miss others)."""
-    from dflash.drafter.target_head import load_target_head
+    from dflash.target.head import load_target_head
     from dflash.train.objective import drafter_loss, pack_batch
 
     cfg = DrafterConfig.from_target(tiny_qwen3, target_layer_ids=layer_ids, mask_token_id=259, draft_layers=1,

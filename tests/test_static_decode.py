@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.drafter.decode import greedy_decode, load_target, speculative_decode, drafter_proposer
+from dflash.decode.speculative import greedy_decode, load_target, speculative_decode, drafter_proposer
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
-from dflash.drafter.static_decode import StaticDecoder
+from dflash.decode.static import StaticDecoder
 from dflash.facts import build_target_layer_ids
-from dflash.static_kv import StaticTarget, fast_unsupported
+from dflash.target.static_kv import StaticTarget, fast_unsupported
 from test_speculative import FIT_PROMPTS, PROMPTS, _fitted_drafter
 
 
@@ -105,7 +105,7 @@ def test_the_cuda_arithmetic_decodes_as_the_dynamic_loop(target, fitted):
 
 
 def test_rows_linear_is_the_linear_row_by_row():
-    from dflash.static_kv import rows_linear
+    from dflash.target.static_kv import rows_linear
 
     torch.manual_seed(0)
     for bias in (False, True):

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
     from ..config import EvalConfig
     from ..drafter.model import DFlashDrafter, DrafterConfig
-    from ..drafter.target_head import TargetHead
+    from ..target.head import TargetHead
     from ..storage import Store
 
 __all__ = ["check_compatible", "evaluate_shards", "run_eval", "format_eval"]
@@ -136,9 +136,9 @@ def run_eval(cfg: "EvalConfig") -> dict[str, Any]:
     import torch
 
     from ..drafter.files import load_drafter
-    from ..drafter.target_head import load_target_head
+    from ..target.head import load_target_head
     from ..config import DTYPES
-    from ..numerics import compute_context, resolve_dtype
+    from ..target.numerics import compute_context, resolve_dtype
     from ..storage import Store
     from .checkpoint import resolve_drafter
     from .plan import split_shards

@@ -53,7 +53,7 @@ class Learner:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from ..drafter.model import DFlashDrafter
-        from ..drafter.target_head import load_target_head
+        from ..target.head import load_target_head
         from .objective import batch_capacity
 
         self.cfg, self.dist, dev = cfg, dist, dist.device
@@ -79,7 +79,7 @@ class Learner:
 
     def autocast(self) -> Any:
         """Return the bf16 autocast context (or none for --dtype float32)."""
-        from ..numerics import compute_context
+        from ..target.numerics import compute_context
 
         return compute_context(self.dist.device.type, self.cfg.dtype)
 

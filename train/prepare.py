@@ -127,7 +127,7 @@ def resume_grad_accum(cfg: "TrainConfig", world: int) -> "TrainConfig":
 
 
 def resolve_train_dtype(cfg: "TrainConfig", dist: Any) -> "TrainConfig":
-    """Return cfg with --dtype made concrete: rank 0 decides (numerics.py, logging why), every rank takes it.
+    """Return cfg with --dtype made concrete: rank 0 decides (target/numerics.py, logging why), every rank takes it.
 
     A resumed run keeps the dtype it trained in when --dtype is auto, even where auto would now pick another (a run
     started on a GPU, resumed on a CPU without native bf16): changing numerics mid-run would break "resumed ==
@@ -137,7 +137,7 @@ def resolve_train_dtype(cfg: "TrainConfig", dist: Any) -> "TrainConfig":
     import dataclasses
 
     from ..config import DTYPES
-    from ..numerics import resolve_dtype
+    from ..target.numerics import resolve_dtype
 
     dtype = None
     if dist.rank == 0:

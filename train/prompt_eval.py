@@ -60,12 +60,12 @@ def _stop_ids(target: Any) -> list[int]:
 
 
 def run_prompt_eval(cfg: "EvalConfig") -> dict[str, Any]:
-    """Return the summary of speculative against greedy decoding of the prompts (drafter.decode.summarize's keys,
+    """Return the summary of speculative against greedy decoding of the prompts (decode.speculative.summarize's keys,
     plus the drafter, prompts file and tokens decoded per prompt)."""
     import torch
     from transformers import AutoTokenizer
 
-    from ..drafter.decode import compare_one, drafter_proposer, load_target, static_decoder, summarize
+    from ..decode.speculative import compare_one, drafter_proposer, load_target, static_decoder, summarize
     from ..runtime import Progress
     from .checkpoint import open_drafter, resolve_drafter
 

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import InputError
 from .decoded import Decoded, cut_at_stop
-from .model import DFlashDrafter, draft_tokens
+from ..drafter.model import DFlashDrafter, draft_tokens
 
 __all__ = [
     "Decoded",
@@ -46,7 +46,7 @@ Proposer = Callable[[torch.Tensor, int, int], torch.Tensor]
 def load_target(path: str | os.PathLike, *, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32) -> Any:
     """Return the target causal LM of a Hugging Face folder, in eval mode on device (fp32 by default: greedy ties)."""
-    from ..target import load_target as load
+    from ..target.load import load_target as load
 
     return load(path, device=device, dtype=dtype, option="--target")
 
@@ -261,13 +261,13 @@ def teacher_forced(target: Any, propose: Proposer, prompt_ids: Sequence[int], to
 
 def static_decoder(target: Any, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                    engine: str = "auto") -> Any:
-    """Return the StaticDecoder (static_decode.py: static caches, CUDA graphs on CUDA) sized for these prompts, or
+    """Return the StaticDecoder (decode/static.py: static caches, CUDA graphs on CUDA) sized for these prompts, or
     None for the dynamic loop: engine "dynamic", or "auto" when the target or drafter is not one it runs (logged).
 
     "auto" picks the static decoder on CUDA (measured on one H200, bench/RESULTS.md) and the dynamic loop on a CPU,
     where the static decoder's masked cache columns cost more than the graphs it cannot use save.
     """
-    from .static_decode import StaticDecoder, static_unsupported
+    from .static import StaticDecoder, static_unsupported
 
     if engine not in ("auto", "static", "dynamic"):
         raise InputError(f"decoding engine {engine!r} is not one of auto, static, dynamic")

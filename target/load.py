@@ -1,16 +1,19 @@
-"""Loading the target model: one Hugging Face causal LM loader for extract, generate and decoding."""
+"""Loading the target model: one Hugging Face causal LM loader for extract, generate and decoding, and the read of
+its weight files ahead of the load."""
 from __future__ import annotations
 
 import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import InputError
+from ..errors import ConfigError, InputError
 
-__all__ = ["load_target", "check_weights", "check_finite", "WeightPrefetch", "weight_files"]
+__all__ = ["load_target", "check_weights", "check_finite", "load_for_features", "Loaded", "load_for_chat",
+           "WeightPrefetch", "weight_files"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,8 @@ def _headers(file: Path) -> dict[str, Any] | None:
     try:
         with open(file, "rb") as f:
             n = struct.unpack("<Q", f.read(8))[0]
+            if not 0 < n <= os.fstat(f.fileno()).st_size - 8:
+                return None
             header = json.loads(f.read(n))
         return {k: v for k, v in header.items() if k != "__metadata__"}
     except (OSError, ValueError, struct.error):
@@ -163,6 +168,61 @@ def check_finite(named: Any, path: str | os.PathLike, option: str = "--model") -
             bad = int((~torch.isfinite(t)).sum())
             raise InputError(f"{option} {path}: tensor {name} holds {bad:,} non-finite values (NaN or inf) of "
                              f"{t.numel():,}; the weights are damaged: re-download or re-save them")
+
+
+def _attn_implementation(device: Any) -> str:
+    """Return flash_attention_2 when it is installed and usable here, else sdpa."""
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def load_for_features(model_dir: str | os.PathLike, device: Any, dtype: Any) -> Any:
+    """Return the target as extract runs it: an eval-mode causal LM on `device` in `dtype`, with the fastest
+    attention there (its weights were checked against the model before the store was made: check_architecture)."""
+    return load_target(model_dir, device=device, dtype=dtype, attn_implementation=_attn_implementation(device),
+                       checked=True)
+
+
+@dataclass
+class Loaded:
+    """The tokenizer and model of a run, with the stop tokens and the pad token its batches use."""
+
+    tokenizer: Any
+    model: Any
+    stop_ids: list[int]
+    pad_id: int
+
+
+def load_for_chat(model: str, device: str, dtype: str) -> Loaded:
+    """Return the tokenizer and model of a chat target (generate's), on `device` in `dtype`, with its stop tokens."""
+    import torch
+    from transformers import AutoTokenizer
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: expected a CUDA device, found none; rerun with --device cpu")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if not tokenizer.chat_template:
+        raise InputError(f"--model {model}: expected a tokenizer with a chat template, found none")
+    lm = load_target(model, device=device, dtype=dtype)
+    # Left padding (plain engine) keeps every prompt's last token at the same column, where generation continues.
+    tokenizer.padding_side = "left"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if tokenizer.pad_token_id is None:  # some conversions (transformers 5.17 from GGUF) name no pad token
+        tokenizer.pad_token_id = pad_id
+    stops = {tokenizer.eos_token_id}
+    gen_eos = lm.generation_config.eos_token_id
+    stops |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
+    stops.discard(None)
+    if not stops:
+        raise InputError(f"--model {model}: expected an eos token in the tokenizer or generation config, found none")
+    log.info("target %s on %s in %s", model, device, dtype)
+    return Loaded(tokenizer, lm, sorted(stops), pad_id)
 
 
 def weight_files(folder: str | os.PathLike) -> list[Path]:

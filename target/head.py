@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from ..target import check_finite
+from .load import check_finite
 
 __all__ = ["TargetHead", "load_target_head"]
 

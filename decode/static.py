@@ -1,9 +1,9 @@
 """Speculative decoding and its greedy baseline on static KV caches, one CUDA graph replay per verified block.
 
-The dynamic loop (decode.py) grows transformers' DynamicCache, crops it after each verification, re-runs the
+The dynamic loop (speculative.py) grows transformers' DynamicCache, crops it after each verification, re-runs the
 drafter's key/value projections over the whole context for every block and syncs with the host several times per
 block. Here, per prompt:
-- the target runs over `StaticTarget` (static_kv.py) and the drafter over a cache of its context keys and values
+- the target runs over `StaticTarget` (target/static_kv.py) and the drafter over a cache of its context keys and values
   (one [kv_heads, max_len, head_dim] pair per drafter layer: a context row's key and value depend on that row and
   its position alone, so each is computed once, when the row is accepted);
 - a block is one fixed sequence of kernels: draft B-1 tokens, verify [anchor, drafts] in one target forward, count
@@ -12,7 +12,7 @@ block. Here, per prompt:
   move the anchor. On CUDA it is captured once per cache-width bucket and replayed; the host reads one pair of
   numbers per block (accepted count, stop token seen) to pick the next bucket and to stop;
 - greedy decoding replays a captured one-token step and looks at the output every `sync_every` steps.
-Greedy only (temperature 0): the sampled path stays in decode.py. The output equals decode.py's token for token
+Greedy only (temperature 0): the sampled path stays in speculative.py. The output equals speculative.py's token for token
 (tests/test_static_decode.py), and so do the acceptance counts, up to float rounding of the reordered sums.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any, Sequence
 import torch
 from torch.nn import functional as F
 
-from ..static_kv import StaticTarget, fast_unsupported
+from ..target.static_kv import StaticTarget, fast_unsupported
 from .decoded import Decoded, cut_at_stop
-from .model import DFlashDrafter, DFlash2Layer, apply_rope, block_embeddings, unary_logits
+from ..drafter.model import DFlashDrafter, DFlash2Layer, apply_rope, block_embeddings, unary_logits
 
 __all__ = ["StaticDrafter", "StaticDecoder", "static_unsupported", "BUCKET"]
 
@@ -82,7 +82,7 @@ class StaticDrafter:
 
     def _visible(self, kind: str, pos: torch.Tensor, block_pos: torch.Tensor, width: int) -> torch.Tensor:
         """Return which keys [B, width + B] each block query sees: context columns < pos, and the whole block;
-        a sliding layer also drops keys at distance >= its window (as decode.py's masks do)."""
+        a sliding layer also drops keys at distance >= its window (as the dynamic loop's masks do)."""
         B = block_pos.shape[0]
         ctx = (self.cols[:width] < pos).expand(B, width)
         seen = torch.cat([ctx, torch.ones(B, B, dtype=torch.bool, device=self.device)], dim=1)

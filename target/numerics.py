@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["CAPABILITY_ENV", "NATIVE_BF16", "CAPABILITIES", "Capability", "DtypeChoice", "capability_from",
            "cpu_capability", "choose_dtype", "bf16_cost", "resolve_dtype", "compute_context"]
@@ -139,7 +139,7 @@ def choose_dtype(requested: str, device: str, capability: Capability | None = No
     resumed; generate's float32 on a CPU); prefer: what auto means unless it is bf16 that this CPU would emulate
     (eval: the run's own dtype); auto_reason says why either applies.
     """
-    from .config import DTYPES
+    from ..config import DTYPES
 
     if requested != "auto" and requested not in DTYPES:
         raise ConfigError(f"--dtype {requested!r}: use auto, {', '.join(DTYPES)}")

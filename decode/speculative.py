@@ -106,13 +106,6 @@ def _with_cache(target: Any, cache: Any) -> dict[str, Any]:
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 
 
-def _keep(cache: Any, length: int) -> None:
-    """Cut a transformers cache back to its first `length` positions (crop takes how many to drop, negated)."""
-    drop = cache.get_seq_length() - length
-    if drop > 0:
-        cache.crop(-drop)
-
-
 @torch.inference_mode()
 def greedy_decode(target: Any, prompt_ids: Sequence[int], *, max_new_tokens: int,
                   stop_ids: Sequence[int] = (), temperature: float = 0.0,
@@ -121,7 +114,7 @@ def greedy_decode(target: Any, prompt_ids: Sequence[int], *, max_new_tokens: int
     from transformers import DynamicCache
 
     device = target.device
-    cache = DynamicCache()
+    cache = DynamicCache(config=target.config)  # a layer of each kind the target has (sliding, linear attention)
     stops = set(int(s) for s in stop_ids)
     ids = torch.tensor([list(prompt_ids)], device=device)
     out: list[int] = []
@@ -147,7 +140,7 @@ def speculative_decode(target: Any, propose: Proposer, prompt_ids: Sequence[int]
     `propose` drafts B-1 tokens from the context features; every draft is checked against the target's own choice
     at its position (argmax, or a sample at temperature > 0, which keeps the output distributed as the target's).
     """
-    from transformers import DynamicCache
+    from ..target.cache import Rollback, decoding_cache
 
     if block_size < 2:
         raise InputError(f"block size must be >= 2, got {block_size}")
@@ -155,7 +148,8 @@ def speculative_decode(target: Any, propose: Proposer, prompt_ids: Sequence[int]
         raise InputError("speculative decoding needs a prompt of at least one token, got none")
     device = target.device
     stops = set(int(s) for s in stop_ids)
-    cache = DynamicCache()
+    cache = decoding_cache(target)
+    rollback = Rollback(cache)
     prompt = torch.tensor([list(prompt_ids)], device=device)
     kv = _with_cache(target, cache)
     out = target(input_ids=prompt, **kv, use_cache=True, logits_to_keep=1, output_hidden_states=True)
@@ -168,6 +162,8 @@ def speculative_decode(target: Any, propose: Proposer, prompt_ids: Sequence[int]
         anchor_pos = context.shape[0]  # the newest token: known, but not yet run through the target
         drafts = propose(context, tokens[-1], anchor_pos)[: block_size - 1].to(device)
         block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts]).long()[None]
+        if rollback.recurrent:
+            rollback.save()
         out = target(input_ids=block, **kv, use_cache=True, output_hidden_states=True)
         forwards += 1
         choice = _choose(out.logits[0], temperature, generator)  # choice[k]: the target's token at anchor_pos+k+1
@@ -177,8 +173,11 @@ def speculative_decode(target: Any, propose: Proposer, prompt_ids: Sequence[int]
         kept, done = cut_at_stop(tokens + new, max_new_tokens, stops)
         accepted.append(len(kept) - len(tokens))
         tokens = kept
-        # Keep the cache and the context for the anchor and the accepted drafts; the rejected tail is forgotten.
-        _keep(cache, anchor_pos + n_ok + 1)
+        # Keep the cache and the context for the anchor and the accepted drafts; the rejected tail is forgotten. A
+        # recurrent layer cannot forget: its state goes back to before the block and the kept tokens run again.
+        if rollback.cut(block.shape[1], n_ok + 1):
+            out = target(input_ids=block[:, : n_ok + 1], **kv, use_cache=True, output_hidden_states=True)
+            forwards += 1
         context = torch.cat([context, _features(out.hidden_states, layer_ids)[: n_ok + 1]])
     return Decoded(tokens=tokens, forwards=forwards, accepted=accepted)
 

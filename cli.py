@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         code = interrupt_exit_code(e.__cause__ if isinstance(e, _Interrupted) else e)
     if argv is None:  # the console entry point: nothing after this process's work but its teardown
         if lost := lost_output():
-            click.echo(f"dflash: warning: {lost}; the log above is incomplete", err=True)
+            click.echo(f"dflash: warning: {lost}: what the command wrote there is incomplete", err=True)
         _exit_now(code)
     sys.exit(code)
 

@@ -524,7 +524,7 @@ class GenerateConfig(StageConfig):
                       "--served-model": self.served_model}
         given = [flag for flag, v in in_process.items() if v is not None]
         _check(bool(self.server) or not given,
-               f"{', '.join(given)} apply to --server only (the engine here samples with --temperature alone); "
+               f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --server only (the engine here samples with --temperature alone); "
                "drop them or pass --server URL")
         bad = [u for u in self.server if not u.startswith(("http://", "https://"))]
         _check(not bad, f"--server {bad[0] if bad else ''}: expected a URL like http://host:8000")

@@ -276,7 +276,7 @@ def test_pick_entry_follows_the_weights_and_depends_on_row_and_seed_alone():
     assert picks != [pick_entry(mix, 1, row)["temperature"] for row in range(4000)]
     with pytest.raises(ConfigError, match="unknown key"):
         parse_sampling_mix('[{"weight": 1, "temprature": 0}]')
-    with pytest.raises(ConfigError, match="apply to --server only"):
+    with pytest.raises(ConfigError, match="applies to --server only"):
         GenerateConfig(model="m", prompts="p", out="o", sampling_mix=mix)
 
 

@@ -118,13 +118,14 @@ class Servers:
                 time.sleep(_backoff(attempt))
                 continue
             try:
-                return [m["id"] for m in json.loads(body)["data"]]
+                if status == 200:
+                    return [m["id"] for m in json.loads(body)["data"]]
             except (ValueError, KeyError, TypeError):
-                raise ServerError(
-                    f"--server {url}: expected an OpenAI-compatible server, but {url}/v1/models answered {status} "
-                    f"{_snippet(body)!r}; pass the base URL of vllm serve, SGLang or transformers serve, such as "
-                    "http://host:8000") from None
-        raise AssertionError("unreachable")
+                pass
+            raise ServerError(
+                f"--server {url}: expected the model list of an OpenAI-compatible server, but {url}/v1/models "
+                f"answered {status} {_snippet(body)!r}; pass the base URL of vllm serve, SGLang or transformers serve, "
+                "such as http://host:8000")
 
     # -- requests ----------------------------------------------------------------------------------------------------
 
@@ -156,7 +157,6 @@ class Servers:
             except (ValueError, KeyError, IndexError, TypeError):
                 raise RequestFailed("bad answer", f"{url}/v1/chat/completions answered 200 without a chat "
                                                   f"completion: {_snippet(raw)!r}") from None
-        raise AssertionError("unreachable")
 
     def _send(self, url: str, method: str, path: str, data: bytes | None) -> tuple[int, bytes]:
         """Return (status, body) of one HTTP exchange on this thread's connection to `url`; _Retry on what another

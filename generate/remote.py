@@ -72,7 +72,7 @@ def regenerate(cfg: "GenerateConfig", servers: Servers, model: str, pending: lis
     todo: queue.SimpleQueue[Prompt] = queue.SimpleQueue()
     for p in pending:
         todo.put(p)
-    results: queue.SimpleQueue[tuple[Prompt, dict | RequestFailed]] = queue.SimpleQueue()
+    results: queue.SimpleQueue[tuple[Prompt, dict | Exception]] = queue.SimpleQueue()
     stop = threading.Event()
 
     def work() -> None:
@@ -83,7 +83,7 @@ def regenerate(cfg: "GenerateConfig", servers: Servers, model: str, pending: lis
                 return
             try:
                 results.put((prompt, _answer(cfg, servers, model, prompt, stop)))
-            except RequestFailed as e:
+            except Exception as e:  # a RequestFailed is counted; anything else is raised by the caller's thread
                 results.put((prompt, e))
 
     # Daemon threads: an interrupted run leaves its requests in flight behind (their rows are redone on resume).
@@ -98,6 +98,8 @@ def regenerate(cfg: "GenerateConfig", servers: Servers, model: str, pending: lis
             if isinstance(got, dict):
                 answered += 1
                 group.append(got)
+            elif not isinstance(got, RequestFailed):
+                raise got
             else:
                 failed[got.reason] += 1
                 # The servers are gone, or the first requests are all refused (a wrong option, not a bad prompt).

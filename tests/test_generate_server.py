@@ -268,6 +268,20 @@ def test_sampling_mix_template_kwargs_and_reasoning_reach_the_wire_and_the_rows(
     assert len({b["seed"] for b in fake.bodies}) == len(fake.bodies)
 
 
+def test_a_rerun_after_a_kill_asks_only_for_the_rows_not_written(fake, tmp_path):
+    prompts = _write(tmp_path / "p.jsonl", [f"question {i}" for i in range(12)])
+    out = tmp_path / "o.jsonl"
+    run(_served_cfg([f"http://127.0.0.1:{fake.server_port}"], prompts, out, concurrency=3))
+    whole = out.read_bytes()
+    lines = whole.split(b"\n")
+    out.write_bytes(b"\n".join(lines[:5]) + b"\n" + lines[5][:20])  # what a kill mid-write leaves
+    fake.bodies.clear()
+    result = run(_served_cfg([f"http://127.0.0.1:{fake.server_port}"], prompts, out, concurrency=3))
+    assert (result.skipped, result.answered) == (5, 7) and len(fake.bodies) == 7
+    assert out.read_bytes().startswith(b"\n".join(lines[:5]) + b"\n")
+    assert _records(out) == {r["source_row"]: r for r in map(json.loads, whole.split(b"\n")[:-1])}
+
+
 def test_pick_entry_follows_the_weights_and_depends_on_row_and_seed_alone():
     mix = parse_sampling_mix('[{"weight": 0.75, "temperature": 0}, {"weight": 0.25, "temperature": 1}]')
     picks = [pick_entry(mix, 0, row)["temperature"] for row in range(4000)]

@@ -19,6 +19,7 @@ import pytest
 from dflash.chatfiles import normalise
 from dflash.cli import main
 from dflash.config import GenerateConfig, parse_sampling_mix
+from dflash.conversations import generated_by
 from dflash.errors import ConfigError
 from dflash.generate.answer import run
 from dflash.generate.remote import pick_entry, sampling
@@ -150,6 +151,7 @@ def test_served_rows_equal_the_in_process_rows(served, tiny_qwen3, prompts, refe
         assert rec["sampling"] == {"temperature": 0.0, "max_tokens": 8, "seed": 0}
     saved = json.loads(out.with_name(out.name + ".config.json").read_text())
     assert (saved["server"], saved["served_model"], saved["model"]) == ([served.url], str(tiny_qwen3), None)
+    assert generated_by(out)["served_model"] == str(tiny_qwen3)  # what extract's store header records of the file
     # A rerun has nothing left to do; one with another model, or other sampling, is refused.
     assert run(_served_cfg([served.url + "/v1/"], prompts, out)).skipped == len(ROWS)
     with pytest.raises(ConfigError, match=r"--temperature 0.0 but this run has 0.5"):

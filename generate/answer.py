@@ -6,7 +6,8 @@ the target before extraction: every assistant turn of a conversation, in order, 
 ready for `dflash extract --data`. Conversations are answered in chunks, turn by turn across the chunk, and a
 record is appended (and fsynced, in groups) when its last turn is answered; a rerun reads what is there, drops a
 torn last line left by a kill, and answers only the rows that have no record yet (a kill loses at most the
-conversations of the chunk still in progress).
+conversations of the chunk still in progress). With --server, OpenAI-compatible servers answer instead (remote.py):
+the same records, each conversation appended once its last turn is answered.
 """
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ def run(cfg: "GenerateConfig") -> GenerateResult:
     if cfg.server:
         log.info("generate: %s answers on %s, %d requests in flight", cfg.served_model, ", ".join(servers.urls),
                  min(cfg.concurrency, len(pending)))
-        batches = regenerate(cfg, servers, cfg.served_model, pending)
+        batches = regenerate(cfg, servers, pending)
     else:
         target = load_for_chat(cfg.model, cfg.device, cfg.dtype)
         render = _renderer(target.tokenizer, cfg.chat_template_kwargs)

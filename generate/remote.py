@@ -66,9 +66,10 @@ def request_seed(seed: int, row: int, turn: int) -> int:
     return random.Random(f"{seed}/{row}/{turn}").getrandbits(31)
 
 
-def regenerate(cfg: "GenerateConfig", servers: Servers, model: str, pending: list[Prompt]) -> Iterator[list[dict]]:
-    """Yield groups of finished records, about every 2 s; at the end, ServerError if any conversation failed (the
-    rest are yielded first), or as soon as the servers are gone or the first requests are all refused."""
+def regenerate(cfg: "GenerateConfig", servers: Servers, pending: list[Prompt]) -> Iterator[list[dict]]:
+    """Yield groups of finished records of `cfg.served_model`'s answers, about every 2 s; at the end, ServerError if
+    any conversation failed (the rest are yielded first), or as soon as the servers are gone or the first requests
+    are all refused."""
     todo: queue.SimpleQueue[Prompt] = queue.SimpleQueue()
     for p in pending:
         todo.put(p)
@@ -82,7 +83,7 @@ def regenerate(cfg: "GenerateConfig", servers: Servers, model: str, pending: lis
             except queue.Empty:
                 return
             try:
-                results.put((prompt, _answer(cfg, servers, model, prompt, stop)))
+                results.put((prompt, _answer(cfg, servers, prompt, stop)))
             except Exception as e:  # a RequestFailed is counted; anything else is raised by the caller's thread
                 results.put((prompt, e))
 
@@ -133,8 +134,7 @@ def _next(results: queue.SimpleQueue) -> tuple[Prompt, Any]:
             continue
 
 
-def _answer(cfg: "GenerateConfig", servers: Servers, model: str, prompt: Prompt,
-            stop: threading.Event) -> dict[str, Any] | None:
+def _answer(cfg: "GenerateConfig", servers: Servers, prompt: Prompt, stop: threading.Event) -> dict[str, Any] | None:
     """Return the record of one conversation, its turns answered in order (None when the run stopped first)."""
     params = sampling(cfg, prompt.row)
     conv = Conversation(prompt)
@@ -143,7 +143,7 @@ def _answer(cfg: "GenerateConfig", servers: Servers, model: str, prompt: Prompt,
     while not conv.done:
         if stop.is_set():
             return None
-        body = {"model": model, "messages": conv.next_context(), **params,
+        body = {"model": cfg.served_model, "messages": conv.next_context(), **params,
                 "seed": request_seed(cfg.seed, prompt.row, conv.answered)}
         reply = servers.chat(body)
         conv.add(reply.text, reply.tokens, reply.finish_reason != "length")

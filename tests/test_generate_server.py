@@ -205,6 +205,9 @@ class _Fake(http.server.BaseHTTPRequestHandler):
         if self.server.fail:
             self._send(500, {"error": "out of memory"})
             return
+        if any("too long" in m["content"] for m in body["messages"]):
+            self._send(400, {"error": "This model's maximum context length is 8 tokens"})
+            return
         message = {"role": "assistant", "content": "\nan answer", "reasoning_content": "a thought\n"}
         self._send(200, {"model": "fake", "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
                          "usage": {"completion_tokens": 7}})
@@ -282,6 +285,21 @@ def test_a_rerun_after_a_kill_asks_only_for_the_rows_not_written(fake, tmp_path)
     assert (result.skipped, result.answered) == (5, 7) and len(fake.bodies) == 7
     assert out.read_bytes().startswith(b"\n".join(lines[:5]) + b"\n")
     assert _records(out) == {r["source_row"]: r for r in map(json.loads, whole.split(b"\n")[:-1])}
+
+
+def test_a_refused_conversation_is_counted_named_and_retried_by_the_rerun(fake, tmp_path, capsys):
+    rows = [f"question {i}" for i in range(8)]
+    rows[5] = "a prompt far too long"
+    prompts = _write(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "o.jsonl"
+    argv = ["--prompts", str(prompts), "--out", str(out), "--server", f"http://127.0.0.1:{fake.server_port}"]
+    line = _one_line(capsys, argv)
+    assert "--server: 1 of 8 conversations failed (1 HTTP 400; first: row 5 (" in line
+    assert "maximum context length" in line and "rerun the same command to retry" in line
+    assert sorted(_records(out)) == [0, 1, 2, 3, 4, 6, 7]
+    fake.bodies.clear()
+    _one_line(capsys, argv)  # still refused: asked again, alone
+    assert [b["messages"][-1]["content"] for b in fake.bodies] == ["a prompt far too long"]
 
 
 def test_pick_entry_follows_the_weights_and_depends_on_row_and_seed_alone():

@@ -11,6 +11,7 @@ import http.client
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -80,6 +81,10 @@ class Servers:
     def __init__(self, urls: tuple[str, ...] | list[str], *, timeout: float) -> None:
         self.urls = [base_url(u) for u in urls]
         self.timeout = timeout
+        self.headers = {"Content-Type": "application/json"}
+        # As OpenAI's own client: a server started with --api-key (vLLM, SGLang) wants it on every request.
+        if os.environ.get("OPENAI_API_KEY"):
+            self.headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
         self._turn = itertools.count()
         self._local = threading.local()
 
@@ -122,10 +127,10 @@ class Servers:
                     return [m["id"] for m in json.loads(body)["data"]]
             except (ValueError, KeyError, TypeError):
                 pass
-            raise ServerError(
-                f"--server {url}: expected the model list of an OpenAI-compatible server, but {url}/v1/models "
-                f"answered {status} {_snippet(body)!r}; pass the base URL of vllm serve, SGLang or transformers serve, "
-                "such as http://host:8000")
+            fix = ("set OPENAI_API_KEY to the server's --api-key" if status == 401 else "pass the base URL of vllm "
+                   "serve, SGLang or transformers serve, such as http://host:8000")
+            raise ServerError(f"--server {url}: expected the model list of an OpenAI-compatible server, but "
+                              f"{url}/v1/models answered {status} {_snippet(body)!r}; {fix}")
 
     # -- requests ----------------------------------------------------------------------------------------------------
 
@@ -169,7 +174,7 @@ class Servers:
             conn = conns[url] = cls(parts.netloc, timeout=self.timeout)
         prefix = urlsplit(url).path
         try:
-            conn.request(method, prefix + path, body=data, headers={"Content-Type": "application/json"})
+            conn.request(method, prefix + path, body=data, headers=self.headers)
             resp = conn.getresponse()
             status, body = resp.status, resp.read()
         except TimeoutError as e:

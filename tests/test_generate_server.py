@@ -197,6 +197,9 @@ class _Fake(http.server.BaseHTTPRequestHandler):
     with reasoning split off (or 500 when the server's `fail` is set)."""
 
     def do_GET(self) -> None:
+        if self.server.key and self.headers.get("Authorization") != f"Bearer {self.server.key}":
+            self._send(401, {"error": "invalid api key"})
+            return
         self._send(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
     def do_POST(self) -> None:
@@ -227,7 +230,7 @@ class _Fake(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def fake():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
-    server.bodies, server.fail = [], False
+    server.bodies, server.fail, server.key = [], False, None
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server
     server.shutdown()
@@ -326,7 +329,8 @@ def _one_line(capsys, argv: list[str]) -> str:
     return lines[0]
 
 
-def test_a_wrong_url_model_request_or_a_failing_server_is_one_line(served, fake, prompts, tmp_path, capsys):
+def test_a_wrong_url_model_request_or_a_failing_server_is_one_line(served, fake, prompts, tmp_path, capsys,
+                                                                   monkeypatch):
     base = ["--prompts", str(prompts), "--max-new-tokens", "4"]
     dead = f"http://127.0.0.1:{_free_port()}"
     line = _one_line(capsys, [*base, "--out", str(tmp_path / "a.jsonl"), "--server", dead, "--server-timeout", "1"])
@@ -337,10 +341,15 @@ def test_a_wrong_url_model_request_or_a_failing_server_is_one_line(served, fake,
     # A request transformers serve refuses (it takes no top_k): 422, not retried.
     line = _one_line(capsys, [*base, "--out", str(tmp_path / "c.jsonl"), "--server", served.url, "--top-k", "5"])
     assert "the first requests all failed" in line and "answered 422" in line and "top_k" in line
+    fake.key = "sk-local"
+    line = _one_line(capsys, [*base, "--out", str(tmp_path / "d.jsonl"), "--server",
+                              f"http://127.0.0.1:{fake.server_port}"])
+    assert "/v1/models answered 401" in line and "set OPENAI_API_KEY to the server's --api-key" in line
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-local")
     fake.fail = True
-    line = _one_line(capsys, [*base, "--out", str(tmp_path / "d.jsonl"), "--server-timeout", "1", "--server",
+    line = _one_line(capsys, [*base, "--out", str(tmp_path / "e.jsonl"), "--server-timeout", "1", "--server",
                               f"http://127.0.0.1:{fake.server_port}"])
     assert "the first requests all failed" in line and "HTTP 500" in line and "out of memory" in line
     assert len(fake.bodies) > len(ROWS)  # retried before giving up
-    for name in "abcd":
+    for name in "abcde":
         assert not (tmp_path / f"{name}.jsonl").exists()

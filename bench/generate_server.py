@@ -26,8 +26,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-# bench/generate.py's helpers: run one `dflash` subprocess, read its rate, read its answers.
-from generate import _RATE, _answers, _dflash
+# bench/generate.py's helpers: the work folder, the prompts, one `dflash` subprocess, its rate and its answers.
+from generate import _RATE, _answers, _bundled, _dflash, _fresh
 
 
 def _serve(model: str, device: str, dtype: str, extra: list[str], log: Path) -> tuple[subprocess.Popen, str, float]:
@@ -64,16 +64,12 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/dflash-bench-generate-server")
     args = ap.parse_args()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    from dflash.assets import prompts_path, smollm2_folder
+    from dflash.assets import smollm2_folder
 
     model = args.model or str(smollm2_folder())
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    for f in work.glob("*.jsonl*"):
-        f.unlink()
+    work = _fresh(args.work)
     prompts = work / "prompts.jsonl"
-    lines = [ln for ln in prompts_path().read_text(encoding="utf-8").splitlines() if ln.strip()]
-    prompts.write_text("".join(lines[i % len(lines)] + "\n" for i in range(args.n)), encoding="utf-8")
+    _bundled(prompts, args.n)
     common = ["--prompts", str(prompts), "--max-new-tokens", str(args.max_new_tokens)]
     result: dict = {"model": model, "device": args.device, "dtype": args.dtype, "n": args.n,
                     "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,

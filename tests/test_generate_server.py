@@ -208,6 +208,8 @@ class _Fake(http.server.BaseHTTPRequestHandler):
         if self.server.fail:
             self._send(500, {"error": "out of memory"})
             return
+        if any("slow" in m["content"] for m in body["messages"]):
+            time.sleep(1.5)  # past the test's --server-timeout 1
         if any("too long" in m["content"] for m in body["messages"]):
             self._send(400, {"error": "This model's maximum context length is 8 tokens"})
             return
@@ -220,16 +222,25 @@ class _Fake(http.server.BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.end_headers()
+            self.wfile.write(data)
+        except ConnectionError:  # the client gave up waiting (the slow question)
+            pass
 
     def log_message(self, *args) -> None:
         pass
 
 
+class _FakeServer(http.server.ThreadingHTTPServer):
+    # Every request of a test in flight at once: with the default backlog of 5, a refused SYN is retried after 1 s,
+    # which the 1 s --server-timeout of a test would count as a timeout.
+    request_queue_size = 128
+
+
 @pytest.fixture
 def fake():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
+    server = _FakeServer(("127.0.0.1", 0), _Fake)
     server.bodies, server.fail, server.key = [], False, None
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server
@@ -290,19 +301,21 @@ def test_a_rerun_after_a_kill_asks_only_for_the_rows_not_written(fake, tmp_path)
     assert _records(out) == {r["source_row"]: r for r in map(json.loads, whole.split(b"\n")[:-1])}
 
 
-def test_a_refused_conversation_is_counted_named_and_retried_by_the_rerun(fake, tmp_path, capsys):
+def test_refused_and_timed_out_conversations_are_counted_named_and_retried_by_the_rerun(fake, tmp_path, capsys):
     rows = [f"question {i}" for i in range(8)]
-    rows[5] = "a prompt far too long"
+    rows[5], rows[6] = "a prompt far too long", "a slow question"
     prompts = _write(tmp_path / "p.jsonl", rows)
     out = tmp_path / "o.jsonl"
-    argv = ["--prompts", str(prompts), "--out", str(out), "--server", f"http://127.0.0.1:{fake.server_port}"]
+    argv = ["--prompts", str(prompts), "--out", str(out), "--server", f"http://127.0.0.1:{fake.server_port}",
+            "--server-timeout", "1"]
     line = _one_line(capsys, argv)
-    assert "--server: 1 of 8 conversations failed (1 HTTP 400; first: row 5 (" in line
-    assert "maximum context length" in line and "rerun the same command to retry" in line
-    assert sorted(_records(out)) == [0, 1, 2, 3, 4, 6, 7]
+    assert "--server: 2 of 8 conversations failed (" in line and "1 HTTP 400" in line and "1 timeout" in line
+    assert "row 5 (" in line and "maximum context length" in line and "row 6 (" in line
+    assert "rerun the same command to retry" in line
+    assert sorted(_records(out)) == [0, 1, 2, 3, 4, 7]
     fake.bodies.clear()
-    _one_line(capsys, argv)  # still refused: asked again, alone
-    assert [b["messages"][-1]["content"] for b in fake.bodies] == ["a prompt far too long"]
+    _one_line(capsys, argv)  # still failing: asked again, alone
+    assert {b["messages"][-1]["content"] for b in fake.bodies} == {"a prompt far too long", "a slow question"}
 
 
 def test_pick_entry_follows_the_weights_and_depends_on_row_and_seed_alone():

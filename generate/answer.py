@@ -24,8 +24,8 @@ from ..chatfiles import prompt_turns
 from ..errors import InputError
 from ..runtime import Progress as Display
 from ..target.load import Loaded, load_for_chat
-from .model import NUMERICS, check_identity, resolve
 from .client import Servers
+from .model import NUMERICS, check_identity, resolve
 from .prompts import Conversation, Prompt, read_prompts, written_lines
 from .remote import regenerate
 

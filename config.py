@@ -15,6 +15,7 @@ __all__ = [
     "parse_val_fraction",
     "parse_shard_ids",
     "parse_json_object",
+    "parse_sampling_mix",
     "StageConfig",
     "ExtractConfig",
     "TrainConfig",
@@ -79,20 +80,53 @@ def parse_shard_ids(value: Any) -> tuple[int, ...] | None:
     return _parse_ids(value, "--val-shards", "0,5,9")
 
 
+def _json_text(value: Any, flag: str, expected: str) -> Any:
+    """Return the value of a JSON option's text (a value given as data, e.g. from --config YAML, as it is)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} {value!r}: expected {expected}, found invalid JSON ({e.msg})") from None
+
+
 def parse_json_object(value: Any) -> dict[str, Any] | None:
     """Return the mapping of a JSON-object option value ('{"enable_thinking": false}' -> {...}; None or "" -> None)."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--chat-template-kwargs {value!r}: expected a JSON object like "
-                              f"'{{\"enable_thinking\": false}}', found invalid JSON ({e.msg})") from None
+    expected = "a JSON object like '{\"enable_thinking\": false}'"
+    value = _json_text(value, "--chat-template-kwargs", expected)
     if not isinstance(value, dict):
-        raise ConfigError(f"--chat-template-kwargs {value!r}: expected a JSON object like "
-                          f"'{{\"enable_thinking\": false}}', found a {type(value).__name__}")
+        raise ConfigError(f"--chat-template-kwargs {value!r}: expected {expected}, found a {type(value).__name__}")
     return json.loads(json.dumps(value, sort_keys=True)) or None
+
+
+# What one entry of --sampling-mix may set for the prompts it draws (besides its "weight").
+MIX_KEYS = ("temperature", "top_p", "top_k", "chat_template_kwargs")
+
+
+def parse_sampling_mix(value: Any) -> tuple[dict[str, Any], ...] | None:
+    """Return the entries of a `--sampling-mix` JSON list, each with its weight ('[{"weight": 0.3, "temperature":
+    0.6}, ...]'; None or "" -> None)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    example = ('\'[{"weight": 0.7, "temperature": 0}, {"weight": 0.3, "temperature": 0.6, '
+               '"chat_template_kwargs": {"enable_thinking": true}}]\'')
+    value = _json_text(value, "--sampling-mix", f"a JSON list like {example}")
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(e, dict) for e in value):
+        raise ConfigError(f"--sampling-mix {value!r}: expected a non-empty JSON list of objects like {example}")
+    entries = []
+    for e in value:
+        unknown = sorted(set(e) - set(MIX_KEYS) - {"weight"})
+        _check(not unknown, f"--sampling-mix entry {e}: unknown key(s) {unknown}; an entry sets weight and any of "
+                            f"{', '.join(MIX_KEYS)}")
+        weight = e.get("weight", 1)
+        _check(isinstance(weight, (int, float)) and weight > 0,
+               f"--sampling-mix entry {e}: weight must be a number > 0, got {weight!r}")
+        _check(e.get("chat_template_kwargs") is None or isinstance(e["chat_template_kwargs"], dict),
+               f"--sampling-mix entry {e}: chat_template_kwargs must be a JSON object")
+        entries.append(json.loads(json.dumps({**e, "weight": weight}, sort_keys=True)))
+    return tuple(entries)
 
 
 def parse_val_fraction(value: Any) -> float | None:
@@ -414,7 +448,7 @@ class TrainConfig(StageConfig):
 class GenerateConfig(StageConfig):
     """Options of `dflash generate`: regenerate answers with the target."""
 
-    model: str = option(help="Target model: a Hugging Face folder.")
+    model: str | None = option(unless="server", help="Target model: a Hugging Face folder; required unless --server.")
     prompts: str | None = option(
         unless="self_prompts",
         help="Prompts or whole conversations, in any format --data reads (JSONL, a JSON array such as ShareGPT's, "
@@ -432,7 +466,6 @@ class GenerateConfig(StageConfig):
     temperature: float = option(0.0, help="Sampling temperature; 0 = greedy.")
     batch_size: int = option(16, help="Prompts answered together (slots of the fast engine, kept full).")
     device: str = option("cpu", choices=("cpu", "cuda"), help="Where the target runs.")
-    backend: str = option("transformers", choices=("transformers", "vllm"), help="Generation engine.")
     engine: str = option(
         "auto", choices=GENERATE_ENGINES,
         help="transformers decoding: fast (static KV cache, continuous batching, CUDA graphs on cuda), plain "
@@ -445,6 +478,27 @@ class GenerateConfig(StageConfig):
         None, parse="parse_json_object", metavar="JSON",
         help='Extra variables of the chat template as a JSON object, e.g. \'{"enable_thinking": false}\' for Qwen3: '
              'render what the serving engine renders. Recorded; a rerun into the same output must keep them.')
+    server: tuple[str, ...] = option(
+        (), metavar="URL",
+        help="Instead of running --model here: an OpenAI-compatible server (vllm serve, SGLang, transformers serve) "
+             "answers through /v1/chat/completions, e.g. http://host:8000 (repeatable: requests are spread over "
+             "every server).")
+    served_model: str | None = option(
+        None, help="With --server: the model name the servers serve [default: the one model they list]. Recorded; "
+                   "a rerun into the same output must keep it.")
+    concurrency: int = option(64, help="With --server: requests in flight, spread over the servers.")
+    top_p: float | None = option(None, help="With --server: nucleus sampling [default: the server's].")
+    top_k: int | None = option(None, help="With --server: top-k sampling [default: the server's; transformers serve "
+                                          "refuses it].")
+    sampling_mix: tuple[dict[str, Any], ...] | None = option(
+        None, parse="parse_sampling_mix", metavar="JSON",
+        help='With --server: per-prompt sampling as a JSON list of weighted entries, each prompt drawing one by its '
+             'row and --seed, e.g. \'[{"weight": 0.7, "temperature": 0}, {"weight": 0.3, "temperature": 0.6, '
+             '"chat_template_kwargs": {"enable_thinking": true}}]\'; an entry overrides --temperature, --top-p, '
+             '--top-k and adds to --chat-template-kwargs. Each row records what it got.')
+    server_timeout: float = option(
+        600.0, help="With --server: seconds to wait for a server to come up (or back), and for one answer; a request "
+                    "is retried with backoff within it on timeouts, connection errors and 5xx answers.")
 
     def __post_init__(self) -> None:
         _check(self.self_prompts is not None or self.prompts is not None,
@@ -459,7 +513,25 @@ class GenerateConfig(StageConfig):
         _check(self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}")
         _check(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         _check(self.device in ("cpu", "cuda"), f"--device {self.device!r}: use cpu or cuda")
-        _check(self.backend in ("transformers", "vllm"), f"--backend {self.backend!r}: use transformers or vllm")
+        _check(self.model is not None or bool(self.server),
+               "--model is required (a target folder to run here), unless --server URL answers instead")
+        _check(self.model is None or not self.server,
+               f"--model {self.model} and --server exclude each other: the first runs the target here, the second "
+               "asks a server that runs it (name it with --served-model); pass one")
+        _check(not self.server or self.self_prompts is None,
+               "--self-prompts runs the target here; pass --model instead of --server")
+        in_process = {"--top-p": self.top_p, "--top-k": self.top_k, "--sampling-mix": self.sampling_mix,
+                      "--served-model": self.served_model}
+        given = [flag for flag, v in in_process.items() if v is not None]
+        _check(bool(self.server) or not given,
+               f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --server only (the engine here samples with --temperature alone); "
+               "drop them or pass --server URL")
+        bad = [u for u in self.server if not u.startswith(("http://", "https://"))]
+        _check(not bad, f"--server {bad[0] if bad else ''}: expected a URL like http://host:8000")
+        _check(self.concurrency >= 1, f"--concurrency must be >= 1, got {self.concurrency}")
+        _check(self.server_timeout > 0, f"--server-timeout must be > 0, got {self.server_timeout}")
+        _check(self.top_p is None or 0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k is None or self.top_k >= 1, f"--top-k must be >= 1, got {self.top_k}")
         _check(self.engine in GENERATE_ENGINES, f"--engine {self.engine!r}: use {', '.join(GENERATE_ENGINES)}")
         _check(self.dtype in DTYPE_CHOICES, f"--dtype {self.dtype!r}: use auto, {', '.join(DTYPES)}")
 

@@ -33,8 +33,10 @@ def message(role: str, content: str) -> dict[str, str]:
 
 # `dflash generate --out FILE` saves its resolved config as FILE + this suffix.
 SIDECAR_SUFFIX = ".config.json"
-# What of that config says how the answers were made (the numerics decoding must match, and the sampling).
-GENERATION_FIELDS = ("model", "dtype", "engine", "device", "temperature", "max_new_tokens", "seed")
+# What of that config says how the answers were made (the numerics decoding must match, and the sampling; or the
+# servers and the model they served, with `generate --server`).
+GENERATION_FIELDS = ("model", "dtype", "engine", "device", "temperature", "max_new_tokens", "seed", "server",
+                     "served_model", "top_p", "top_k", "sampling_mix")
 
 
 def sidecar_path(data: str | Path) -> Path:

@@ -9,6 +9,7 @@ __all__ = [
     "ManifestMismatch",
     "CorruptShard",
     "AssetError",
+    "ServerError",
 ]
 
 
@@ -43,3 +44,7 @@ class CorruptShard(StoreError):
 
 class AssetError(DflashError):
     """A bundled asset (the embedded model, the prompts) is missing or unusable."""
+
+
+class ServerError(DflashError):
+    """A serving endpoint (`dflash generate --server`) that cannot be reached or refuses what is asked."""

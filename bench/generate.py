@@ -44,6 +44,23 @@ def _answers(path: Path) -> dict[int, tuple[str, int]]:
     return {r["source_row"]: (r["messages"][-1]["content"], r["completion_tokens"]) for r in recs}
 
 
+def _fresh(work: str) -> Path:
+    """Return the bench's work folder, emptied of a previous run's outputs."""
+    path = Path(work)
+    path.mkdir(parents=True, exist_ok=True)
+    for f in path.glob("*.jsonl*"):
+        f.unlink()
+    return path
+
+
+def _bundled(path: Path, n: int) -> None:
+    """Write the bundled prompts, repeated to n rows, to path."""
+    from dflash.assets import prompts_path
+
+    lines = [ln for ln in prompts_path().read_text(encoding="utf-8").splitlines() if ln.strip()]
+    path.write_text("".join(lines[i % len(lines)] + "\n" for i in range(n)), encoding="utf-8")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", help="target folder [default: the embedded SmolLM2]")
@@ -61,10 +78,7 @@ def main() -> None:
     from dflash.assets import prompts_path, smollm2_folder
 
     model = args.model or str(smollm2_folder())
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    for f in work.glob("*.jsonl*"):
-        f.unlink()
+    work = _fresh(args.work)
     prompts = work / "prompts.jsonl"
     common = ["--model", model, "--device", args.device, "--batch-size", str(args.batch_size), "--dtype", args.dtype]
     if args.source == "self":
@@ -72,8 +86,7 @@ def main() -> None:
                            "--exclude", str(prompts_path()), *common], env)
         print(f"self-prompts: {args.n} in {wall:.0f} s", flush=True)
     else:
-        lines = [ln for ln in prompts_path().read_text(encoding="utf-8").splitlines() if ln.strip()]
-        prompts.write_text("".join(lines[i % len(lines)] + "\n" for i in range(args.n)), encoding="utf-8")
+        _bundled(prompts, args.n)
     result: dict = {"model": model, "device": args.device, "n": args.n, "batch_size": args.batch_size,
                     "max_new_tokens": args.max_new_tokens, "engines": {}}
     for engine in args.engines.split(","):

@@ -6,10 +6,12 @@ the target before extraction: every assistant turn of a conversation, in order, 
 ready for `dflash extract --data`. Conversations are answered in chunks, turn by turn across the chunk, and a
 record is appended (and fsynced, in groups) when its last turn is answered; a rerun reads what is there, drops a
 torn last line left by a kill, and answers only the rows that have no record yet (a kill loses at most the
-conversations of the chunk still in progress).
+conversations of the chunk still in progress). With --server, OpenAI-compatible servers answer instead (remote.py):
+the same records, each conversation appended once its last turn is answered.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -19,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..atomic import append_lines, repair_torn_tail
 from ..chatfiles import prompt_turns
-from ..errors import ConfigError, InputError
+from ..errors import InputError
 from ..runtime import Progress as Display
 from ..target.load import Loaded, load_for_chat
+from .client import Servers
 from .model import NUMERICS, check_identity, resolve
 from .prompts import Conversation, Prompt, read_prompts, written_lines
+from .remote import regenerate
 
 if TYPE_CHECKING:
     from ..config import GenerateConfig
@@ -32,8 +36,11 @@ __all__ = ["GenerateResult", "read_done", "run"]
 
 log = logging.getLogger(__name__)
 
-# The options that decide what an answer is (numerics included); a rerun into the same --out must keep them.
-_IDENTITY_FIELDS = ("model", "max_new_tokens", "temperature", "seed", "chat_template_kwargs") + NUMERICS
+# The options that decide what an answer is (numerics included, or the served model and its sampling); a rerun into
+# the same --out must keep them.
+_IDENTITY_FIELDS = ("model", "served_model", "max_new_tokens", "temperature", "seed", "chat_template_kwargs")
+_IN_PROCESS = _IDENTITY_FIELDS + NUMERICS
+_SERVED = _IDENTITY_FIELDS + ("top_p", "top_k", "sampling_mix")
 _LOG_EVERY_S = 30.0
 
 
@@ -112,29 +119,36 @@ def run(cfg: "GenerateConfig") -> GenerateResult:
     """Return what was done after answering every prompt of `cfg.prompts` that `cfg.out` does not answer yet."""
     out = Path(cfg.out)
     prompts = read_prompts(cfg.prompts)
-    cfg = resolve(cfg)
+    if cfg.server:
+        servers = Servers(cfg.server, timeout=cfg.server_timeout)
+        cfg = dataclasses.replace(cfg, served_model=servers.served_model(cfg.served_model))
+    else:
+        cfg = resolve(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
-    check_identity(cfg, out, _IDENTITY_FIELDS)
+    check_identity(cfg, out, _SERVED if cfg.server else _IN_PROCESS)
     done = read_done(out, prompts)
     pending = [p for p in prompts if p.row not in done]
     log.info("generate: %d prompts in %s, %d already answered in %s", len(prompts), cfg.prompts, len(done), out)
     if not pending:
         return GenerateResult(len(prompts), 0, len(done), 0, 0.0)
-    if cfg.backend == "vllm":
-        render, answer = _vllm_backend(cfg)
-    else:
-        target = load_for_chat(cfg.model, cfg.device, cfg.dtype)
-        render = _renderer(target.tokenizer, cfg.chat_template_kwargs)
-        answer = (_fast_backend if cfg.engine == "fast" else _transformers_backend)(cfg, target)
     turns = sum(p.turns for p in pending)
     if turns > len(pending):
         log.info("generate: %d conversations hold %d user turns; every assistant turn is regenerated in order",
                  len(pending), turns)
+    if cfg.server:
+        log.info("generate: %s answers on %s, %d requests in flight", cfg.served_model, ", ".join(servers.urls),
+                 min(cfg.concurrency, len(pending)))
+        batches = regenerate(cfg, servers, pending)
+    else:
+        target = load_for_chat(cfg.model, cfg.device, cfg.dtype)
+        render = _renderer(target.tokenizer, cfg.chat_template_kwargs)
+        answer = (_fast_backend if cfg.engine == "fast" else _transformers_backend)(cfg, target)
+        batches = _regenerate(pending, render, answer, chunk=max(256, 16 * cfg.batch_size))
     progress = _Progress(len(pending))
     start = time.perf_counter()
     new_tokens = 0
     try:
-        for records in _regenerate(pending, render, answer, chunk=max(256, 16 * cfg.batch_size)):
+        for records in batches:
             _append(out, records)
             n = sum(r["completion_tokens"] for r in records)
             new_tokens += n
@@ -148,18 +162,6 @@ def run(cfg: "GenerateConfig") -> GenerateResult:
         result.answered, new_tokens, result.tokens_per_s, out,
     )
     return result
-
-
-def _record(conv: Conversation) -> dict[str, Any]:
-    rec = {
-        "messages": conv.messages(),
-        "source_row": conv.prompt.row,
-        "completion_tokens": conv.tokens,
-        "finish_reason": "stop" if conv.finished else "length",
-    }
-    if conv.answered > 1:
-        rec["turns"] = conv.answered
-    return rec
 
 
 # A backend answers a list of (key, token ids) requests, yielding lists of (key, text, tokens, finished).
@@ -180,7 +182,7 @@ def _regenerate(pending: list[Prompt], render: Any, answer: Any, *, chunk: int):
                     conv = by_key[key]
                     conv.add(text, n, finished)
                     if conv.done:
-                        records.append(_record(conv))
+                        records.append(conv.record())
                 if records:
                     yield sorted(records, key=lambda r: r["source_row"])
             active = [conv for conv in active if not conv.done]
@@ -273,29 +275,3 @@ def _transformers_backend(cfg: "GenerateConfig", target: Loaded):
 
     return answer
 
-
-def _vllm_backend(cfg: "GenerateConfig"):
-    """Return (the renderer, a function that answers requests in chunks with vLLM); ConfigError when vLLM is not
-    installed."""
-    try:
-        import vllm
-    except ImportError:
-        raise ConfigError(
-            "--backend vllm: expected the vllm package, found it missing; run `pip install vllm` "
-            "or use --backend transformers"
-        ) from None
-    if cfg.device != "cuda":
-        raise ConfigError("--backend vllm runs on GPUs only; pass --device cuda or use --backend transformers")
-    llm = vllm.LLM(model=cfg.model, seed=cfg.seed, dtype="auto")
-    params = vllm.SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
-
-    def answer(requests: list[tuple[int, list[int]]]):
-        # vLLM schedules its own batches; we hand it chunks only so records reach disk (and resume) as it goes.
-        chunk = max(cfg.batch_size, 256)
-        for b in range(0, len(requests), chunk):
-            part = requests[b : b + chunk]
-            outs = llm.generate([{"prompt_token_ids": ids} for _, ids in part], params, use_tqdm=False)
-            yield [(key, o.outputs[0].text, len(o.outputs[0].token_ids), o.outputs[0].finish_reason == "stop")
-                   for (key, _), o in zip(part, outs)]
-
-    return _renderer(llm.get_tokenizer(), cfg.chat_template_kwargs), answer

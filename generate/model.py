@@ -39,8 +39,6 @@ def resolve(cfg: "GenerateConfig") -> "GenerateConfig":
             f"--model {cfg.model}: expected a Hugging Face model folder, found none; pass a save_pretrained folder "
             "(the embedded target: python -c 'from dflash.assets import smollm2_folder; print(smollm2_folder())')"
         )
-    if cfg.backend == "vllm":
-        return cfg
     # On CPU, bf16 answers depend on the batch: with left padding SmolLM2's first-token logits moved by 0.9 and
     # "The capital of France is Paris." became "L'Etoile, ..."; even eager attention changed 9 of 16 answers
     # between batch 16 and batch 1. fp32 kept 8 of 8 answers identical between batch 8 and batch 1, so auto
@@ -75,18 +73,30 @@ def check_identity(cfg: "GenerateConfig", out: Path, fields: tuple[str, ...]) ->
     if not saved_path.exists():
         cfg.save(saved_path)
         return
-    saved = GenerateConfig.load(saved_path)
+    saved = GenerateConfig.from_dict(_without_legacy(saved_path))
     for name in fields:
         old, new = getattr(saved, name), getattr(cfg, name)
         if name in NUMERICS and old == "auto":
             continue  # written before the numerics were recorded
-        if name == "model":
+        if name == "model" and old is not None and new is not None:
             old, new = os.path.abspath(old), os.path.abspath(new)
         if old != new:
             flag = "--" + name.replace("_", "-")
-            shown = lambda v: " ".join(v) if isinstance(v, tuple) else v  # noqa: E731
+            shown = lambda v: "(none)" if v is None else " ".join(map(str, v)) if isinstance(v, tuple) else v  # noqa
             raise ConfigError(
                 f"--out {out} was generated with {flag} {shown(old)} but this run has {shown(new)} "
                 f"({saved_path}); rerun with {flag} {shown(old)} or pass a new --out"
             )
 
+
+def _without_legacy(path: Path) -> dict[str, Any]:
+    """Return a saved GenerateConfig's fields less the ones that no longer exist: `backend` (transformers, or an
+    in-process vllm that never ran), replaced by --server on 2026-12-03."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: expected the config `dflash generate` saved beside its output, found it "
+                          f"unreadable ({e}); move it away with its output, or pass a new --out") from None
+    if isinstance(data, dict):
+        data.pop("backend", None)
+    return data

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..chatfiles import BadRowLog, jsonl_lines, prompt_turns, read_rows, report_bad_rows
 from ..conversations import message
@@ -93,6 +94,18 @@ class Conversation:
     def messages(self) -> list[dict[str, str]]:
         """Return the regenerated conversation (a trailing non-answered turn, e.g. a system note, is kept)."""
         return self.history + self.prompt.messages[self.cursor :]
+
+    def record(self) -> dict[str, Any]:
+        """Return the output line of the finished conversation, as `dflash extract --data` reads it."""
+        rec = {
+            "messages": self.messages(),
+            "source_row": self.prompt.row,
+            "completion_tokens": self.tokens,
+            "finish_reason": "stop" if self.finished else "length",
+        }
+        if self.answered > 1:
+            rec["turns"] = self.answered
+        return rec
 
 
 def written_lines(path: Path) -> Iterator[tuple[int, bytes]]:

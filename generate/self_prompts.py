@@ -106,9 +106,9 @@ def run(cfg: "GenerateConfig") -> Any:
     want = cfg.self_prompts
     seen = _excluded(cfg.exclude)
     cfg = resolve(cfg)
-    if cfg.backend != "transformers" or cfg.engine != "fast":
-        raise ConfigError(f"--self-prompts runs on the fast transformers engine only (this run resolved --backend "
-                          f"{cfg.backend} --engine {cfg.engine}); rerun with --backend transformers --engine fast")
+    if cfg.engine != "fast":
+        raise ConfigError(f"--self-prompts runs on the fast engine only (this run resolved --engine {cfg.engine}); "
+                          "rerun with --engine fast")
     out.parent.mkdir(parents=True, exist_ok=True)
     check_identity(cfg, out, _IDENTITY_FIELDS)
     written, draw = read_written(out)

@@ -140,6 +140,16 @@ def test_rerun_with_other_answer_options_is_refused(tiny_qwen3, prompts_file, re
         run(_cfg(tiny_qwen3, prompts_file, reference, max_new_tokens=5))
 
 
+def test_a_record_from_before_the_server_options_still_resumes(tiny_qwen3, prompts_file, reference, tmp_path):
+    out = tmp_path / "old.jsonl"
+    out.write_bytes(reference.read_bytes())
+    saved = json.loads(reference.with_name(reference.name + ".config.json").read_text())
+    new = ("server", "served_model", "concurrency", "top_p", "top_k", "sampling_mix", "server_timeout")
+    old = {k: v for k, v in saved.items() if k not in new} | {"backend": "transformers"}
+    out.with_name(out.name + ".config.json").write_text(json.dumps(old))
+    assert run(_cfg(tiny_qwen3, prompts_file, out)).skipped == len(PROMPTS)
+
+
 def test_sampling_is_seeded(tiny_qwen3, tmp_path):
     prompts = _write_prompts(tmp_path / "p.jsonl", PROMPTS[:3])
     answers = []
@@ -201,17 +211,6 @@ def test_cli_reports_a_prompts_file_with_nothing_usable_in_one_line(tiny_qwen3, 
     assert "empty_content: 1, non_string_content: 1" in last
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "o.jsonl").exists()
-
-
-def test_vllm_backend_without_vllm_is_a_clear_error(tiny_qwen3, prompts_file, tmp_path):
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("vllm is installed here")
-    with pytest.raises(ConfigError, match="pip install vllm"):
-        run(_cfg(tiny_qwen3, prompts_file, tmp_path / "o.jsonl", backend="vllm"))
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch and transformers is most of its time

@@ -226,12 +226,16 @@ def _json_kind(path: Path, flag: str) -> str:
         raise InputError(f"{flag} {path}: expected a JSON array of rows (or JSON Lines), found a file starting with "
                          f"{head[:20]!r}; fix the file or write it as JSONL")
     first, end = _first_line(path)
+    if end < 0:
+        return "array"  # a first line too long for a row: the wrapper's rules
     try:
-        row = json.loads(first.decode("utf-8")) if end >= 0 else None
-    except (ValueError, UnicodeDecodeError):
-        row = None
-    if row is None:
-        return "array"  # an object over several lines (or a first line too long for a row): the wrapper's rules
+        text = first.decode("utf-8").rstrip()
+        row = json.loads(text)
+    except UnicodeDecodeError:
+        return "jsonl"
+    except json.JSONDecodeError as e:
+        # Cut short at the line's end: an object over several lines (the wrapper). Wrong before it: a bad row.
+        return "array" if e.pos >= len(text) else "jsonl"
     if not (isinstance(row, dict) and isinstance(row.get("data"), list)):
         return "jsonl"
     with open(path, "rb") as f:  # a one-line object with a "data" array: a wrapper only if nothing follows it

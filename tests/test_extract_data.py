@@ -88,7 +88,8 @@ def test_missing_and_unsupported_inputs_are_input_errors(tmp_path):
     (tmp_path / "bad.json").write_text("[{not json")
     with pytest.raises(InputError, match="bad.json: not valid JSON"):
         list(read_rows([str(tmp_path / "bad.json")]))
-    # A .json file that does not start an array is JSON Lines: its bad line is a bad row, counted like any other.
+    # A .json file that does not start an array (nor an object cut short at the end of its first line) is JSON
+    # Lines: its bad line is a bad row, counted like any other.
     (tmp_path / "lines.json").write_text("{not json\n")
     assert [r.error for r in read_rows([str(tmp_path / "lines.json")])] == ["malformed_json"]
 

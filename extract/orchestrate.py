@@ -249,13 +249,14 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
             if cfg.dry_run:
                 return {"plan": plan.to_dict()}
         tl.add("plan", time.perf_counter() - plan_t0)
-        runner = None
+        runner, runner_t0 = None, time.perf_counter()
         if loader is not None:
             with tl.stage("model_wait"):
                 loader.checked()
                 model = loader.result()
             with tl.stage("runner"):  # the truncated runner's self-check refuses a target it cannot run exactly
                 runner = feature_runner(cfg, header, model)
+        runner_s = time.perf_counter() - runner_t0
     except DflashError:
         if loader is not None:
             loader.checked()  # the architecture's refusal comes first, as when it was checked before the data
@@ -297,7 +298,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
         len(devices), ",".join(devices), threads,
     )
     try:
-        results = _run_workers(cfg, specs, rows, progress, tl, tokenizer, template, runner, buffers)
+        results = _run_workers(cfg, specs, rows, progress, tl, tokenizer, template, runner, runner_s, buffers)
     except Exception:
         # A run that made this store and failed before its first commit (a target that fails to load, weights that
         # are not finite, a self-check that refuses) leaves no skeleton behind; peers launched beside it may still
@@ -328,9 +329,9 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
 
 
 def _run_workers(cfg: "ExtractConfig", specs: list[Any], rows: Any, progress: Any, tl: Any, tokenizer: Any,
-                 template: str, runner: Any, buffers: Any) -> list[dict[str, Any]]:
-    """Return each worker's result: the one in this process (with the target's runner already made and checked,
-    when there is one), or the spawned ones."""
+                 template: str, runner: Any, runner_s: float, buffers: Any) -> list[dict[str, Any]]:
+    """Return each worker's result: the one in this process (with the target's runner already made and checked
+    when there is one, and the seconds waited for it), or the spawned ones."""
     from .template import ChatEncoder
     from .worker import run_worker
 
@@ -339,7 +340,7 @@ def _run_workers(cfg: "ExtractConfig", specs: list[Any], rows: Any, progress: An
         encoder = (ChatEncoder(tokenizer, template, cfg.max_length, cfg.chat_template_kwargs),
                    tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         return [run_worker(cfg, specs[0], rows, progress.update, timeline=tl, encoder=encoder,
-                           runner=runner, buffers=buffers)]
+                           runner=runner, runner_s=runner_s, buffers=buffers)]
     return _run_spawned(cfg, specs, progress)
 
 

@@ -174,13 +174,14 @@ def open_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str,
 
 def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, report: Report, *,
                timeline: Any = None, encoder: tuple[Any, int] | None = None,
-               runner: Any = None, buffers: Any = None) -> dict[str, Any]:
+               runner: Any = None, runner_s: float = 0.0, buffers: Any = None) -> dict[str, Any]:
     """Return this worker's totals (and its timeline) after it has filled every shard it could claim; report()
     gets progress events.
 
     timeline: the run's Timeline when the worker runs in the command's own process (else one from this process's
     start); encoder: (chat encoder, pad id) already made; runner: the target's runner already made and checked
-    (orchestrate loads the target beside reading the data and checks it before the store exists); buffers: the
+    (orchestrate loads the target beside reading the data and checks it before the store exists), runner_s: the
+    seconds the command waited for it (counted in the load time the summary reports); buffers: the
     pipeline's host buffers already being allocated (worker.host_buffers).
     """
     from ..storage import Store
@@ -207,7 +208,7 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, r
             cfg, header, spec.device, pad_id,
             on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}),
             timeline=tl, runner=runner, buffers=buffers)
-        loaded["load_s"] = time.perf_counter() - t_start
+        loaded["load_s"] = runner_s + time.perf_counter() - t_start
         return pipeline
 
     ranges = shard_ranges(len(rows), header["shard_plan"]["rows_per_shard"])

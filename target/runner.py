@@ -100,7 +100,7 @@ class TargetRunner:
     def _check_ids(self, cfg: Any, check_length: int) -> tuple[torch.Tensor, list[int]]:
         """Return the self-check's right-padded rows [2, n] and their lengths: a first row longer than every window
         (and than a Gated DeltaNet chunk), capped at the longest sample extraction runs, and a shorter second row
-        whose padding must not reach its tokens."""
+        with padding after it, as extraction's batches have."""
         window = longest_window(cfg, self.kinds)
         n = max(2, min(check_length, max(96, window + 32)))
         gen = torch.Generator().manual_seed(0)
@@ -110,16 +110,20 @@ class TargetRunner:
         return ids.to(self.text.embed_tokens.weight.device), lengths
 
     def _reference(self, model: Any, check_length: int) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
-        """Return the self-check's rows, their lengths and the full model's output_hidden_states of each row run
-        alone (no padding), taken before the model is cut."""
+        """Return the self-check's rows, their lengths and the full model's output_hidden_states of the captured
+        layers on the same rows, taken before the model is cut.
+
+        The same batch, so the same kernels on the same shapes: in bf16 a row run alone gives other roundings
+        (a Qwen3.6-27B-shaped random target on one H200: 3% at layer 31 between a padded row and the row alone),
+        which would refuse good targets. That padding never reaches a real token is what the causal kinds
+        guarantee and tests/test_targets.py checks for each in fp32, against every sample run alone.
+        """
         ids, lengths = self._check_ids(text_config(self.text.config), check_length)
         kwargs = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
-        refs = []
         # The reference takes the attention kernels the runner takes: this checks layers and positions, not kernels.
         with torch.inference_mode(), attention_backends(ids.device, self.cudnn_attention):
-            for row, n in zip(ids, lengths):
-                states = model(input_ids=row[None, :n], use_cache=False, output_hidden_states=True, **kwargs)
-                refs.append(torch.stack([states.hidden_states[i + 1][0] for i in self.layer_ids]))
+            states = model(input_ids=ids, use_cache=False, output_hidden_states=True, **kwargs).hidden_states
+            refs = [torch.stack([states[i + 1][b, :n] for i in self.layer_ids]) for b, n in enumerate(lengths)]
         return ids, lengths, refs
 
     def _compare(self, cfg: Any, ids: torch.Tensor, lengths: list[int], refs: list[torch.Tensor]) -> None:

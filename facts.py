@@ -28,7 +28,13 @@ def build_target_layer_ids(num_target_layers: int, n: int = NUM_FEATURE_LAYERS) 
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
     span = end - start
-    return [int(round(start + i * span / (n - 1))) for i in range(n)]
+    ids = [int(round(start + i * span / (n - 1))) for i in range(n)]
+    if len(set(ids)) < n:  # fewer than n layers between 1 and L-3: the reference would repeat ids
+        raise ConfigError(
+            f"a target with {num_target_layers} decoder layers is too shallow for {n} distinct DFlash feature layers "
+            f"between 1 and {end} (need at least {n + 3}); pass --layers with {n} or fewer distinct ids"
+        )
+    return ids
 
 
 def validate_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int]:

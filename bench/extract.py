@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -299,11 +300,12 @@ def load_seconds(t: dict | None, summary_load: float) -> tuple[float, float, flo
 
 
 def run_command(model: Path, data: Path, store: Path, gpus: str, flags: list[str], log: Path,
-                profile: Path | None = None) -> dict:
+                profile: Path | None = None, entry: list[str] | None = None) -> dict:
     """Return the wall time and the summary figures of `dflash extract` run as a subprocess (and its timeline's
-    totals when `profile` names the file for --profile)."""
+    totals when `profile` names the file for --profile); entry: the interpreter's arguments before `extract`
+    (default `-m dflash.cli`)."""
     shutil.rmtree(store, ignore_errors=True)
-    cmd = [sys.executable, "-m", "dflash.cli", "extract", "--model", str(model), "--data", str(data),
+    cmd = [sys.executable, *(entry or ["-m", "dflash.cli"]), "extract", "--model", str(model), "--data", str(data),
            "--out", str(store), "--gpus", gpus, *flags, *(["--profile", str(profile)] if profile else [])]
     dropped = settle()
     started = time.time()
@@ -338,13 +340,14 @@ def run_command(model: Path, data: Path, store: Path, gpus: str, flags: list[str
             "forward_side_tok_s": forward, "page_cache_dropped": dropped}
 
 
-def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.device, cudnn: bool = False) -> dict:
+def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.device, cudnn: bool = False,
+                      load: Any = None) -> dict:
     """Return tokens/s of the truncated forward alone over the batches the command ran (its shard plan and packing).
 
     Passes over the same batches: the first in a fresh load (cold, as the command's only pass), a second (warm);
     with cudnn, two more with SDPA free to pick cuDNN's attention (extract excludes it: it plans each new shape,
     target/runner.attention_backends), the first of them cold for its plans. `best_tok_s` is the fastest pass: the
-    most this GPU gave for the work.
+    most this GPU gave for the work. load: a function returning the target (default: its folder's weights).
     """
     from transformers import AutoTokenizer
 
@@ -367,7 +370,8 @@ def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.de
         samples, _ = prepare_shard(rows[a:b], encoder, cfg.min_loss_tokens, False)
         lengths = [len(s.input_ids) for s in samples]
         batches += [pad_batch([samples[i].input_ids for i in idx], 0) for idx in pack_batches(lengths, cfg.batch_tokens)]
-    runner = TargetRunner(load_for_features(cfg.model, device, torch.bfloat16), header["layer_ids"], check=False)
+    model = load() if load is not None else load_for_features(cfg.model, device, torch.bfloat16)
+    runner = TargetRunner(model, header["layer_ids"], check=False)
     tokens = sum(sum(lens) for _, lens in batches)
     settle()
     passes = []

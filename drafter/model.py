@@ -25,8 +25,8 @@ from ..facts import NUM_FEATURE_LAYERS
 from .conv import GroupedDynamicCausalConv
 from .selector import CandidateSelector
 
-__all__ = ["DrafterConfig", "DFlashDrafter", "Attend", "layer_types_for", "apply_rope", "expand_kv", "draft_logits",
-           "draft_tokens", "block_embeddings", "unary_logits", "DRAFTERS"]
+__all__ = ["DrafterConfig", "DFlashDrafter", "Attend", "layer_types_for", "drafter_rope", "apply_rope", "expand_kv",
+           "draft_logits", "draft_tokens", "block_embeddings", "unary_logits", "DRAFTERS"]
 
 DRAFTERS = ("dflash", "dflash2")
 # Fields a DFlash 1 drafter does not have: left out of its to_dict, so its files and run records stay as they were.
@@ -34,6 +34,17 @@ _DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "sele
 # Target config keys that change the drafter's logits or inputs (read as the reference inference code reads them),
 # and their identity values, also left out of to_dict.
 _TARGET_SCALES = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
+# Rope keys a drafter never takes from its target. SGLang's DFlash drafter rotates the whole head whatever its
+# config says (get_rope with rotary_dim = head_dim), vLLM's honours rope_parameters' partial_rotary_factor: only a
+# drafter without one runs alike in both, and so it trains with full rotary. Multimodal sections (mrope) would make
+# both engines build a multimodal rotary for 1-D positions.
+_TARGET_ONLY_ROPE = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+# Rope types transformers, SGLang and vLLM all build for the drafter; another (Gemma 4's "proportional") becomes the
+# default rotary at the target's theta.
+_DRAFTER_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+# A drafter's MLP width as a multiple of the hidden size when its MoE target names no dense intermediate_size
+# (Qwen3.5-MoE): Qwen3-Coder-30B-A3B's own dense width is 3 x 2048.
+_MOE_INTERMEDIATE_RATIO = 3
 
 log = logging.getLogger(__name__)
 
@@ -145,21 +156,17 @@ class DrafterConfig:
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
-            rope = cfg.get("rope_parameters") or {
-                "rope_type": "default",
-                "rope_theta": float(cfg.get("rope_theta", 10000.0)),
-                **(cfg.get("rope_scaling") or {}),
-            }
+            intermediate = cfg.get("intermediate_size") or _MOE_INTERMEDIATE_RATIO * hidden
             return cls(
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
+                intermediate_size=int(intermediate),
                 num_hidden_layers=draft_layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 vocab_size=int(cfg["vocab_size"]),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_parameters=dict(rope),
+                rope_parameters=drafter_rope(cfg),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
                 hidden_act=str(cfg.get("hidden_act", "silu")),
                 block_size=block_size,
@@ -215,6 +222,22 @@ class DrafterConfig:
             layer_types=list(self.layer_types),
             tie_word_embeddings=False,
         )
+
+
+def drafter_rope(target: dict[str, Any]) -> dict[str, Any]:
+    """Return the rope parameters of a drafter for a target's (text) config.json mapping: the target's rope, flat
+    (the full-attention layers' where it has one per layer type, as Gemma does), with full rotary."""
+    rope = target.get("rope_parameters") or {
+        "rope_type": "default",
+        "rope_theta": float(target.get("rope_theta", 10000.0)),
+        **(target.get("rope_scaling") or {}),
+    }
+    if "rope_theta" not in rope and isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    rope = {k: v for k, v in rope.items() if k not in _TARGET_ONLY_ROPE}
+    if rope.get("rope_type", rope.get("type", "default")) not in _DRAFTER_ROPE_TYPES:
+        rope = {"rope_type": "default", "rope_theta": float(rope.get("rope_theta", 10000.0))}
+    return rope
 
 
 def _read_target_config(path: str | os.PathLike) -> dict[str, Any]:

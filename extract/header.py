@@ -12,14 +12,15 @@ from ..conversations import generated_by
 from ..errors import ConfigError, InputError
 from ..facts import NUM_FEATURE_LAYERS, build_target_layer_ids, validate_layer_ids
 from ..chatfiles import Row, fingerprint, input_files
+from ..target.adapter import text_config
 from .plan import default_shard_size, shard_ranges
 from .template import text_hash
 
 if TYPE_CHECKING:
     from ..config import ExtractConfig
 
-__all__ = ["resolve_mask_token", "resolve_layers", "estimate_tokens_per_row", "build_header", "tokenizer_hash",
-           "target_fingerprint", "in_form_of"]
+__all__ = ["resolve_mask_token", "resolve_layers", "captured_depth", "estimate_tokens_per_row", "build_header",
+           "tokenizer_hash", "target_fingerprint", "in_form_of"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,16 @@ def resolve_layers(explicit: tuple[int, ...] | None, num_layers: int) -> list[in
     if explicit is None:
         return build_target_layer_ids(num_layers, NUM_FEATURE_LAYERS)
     return validate_layer_ids(list(explicit), num_layers)
+
+
+def captured_depth(explicit: tuple[int, ...] | None, model_config: Any) -> int | None:
+    """Return how many decoder layers extraction runs (the deepest captured id + 1); None when the config names
+    no layer count or the ids do not fit it (the architecture check, then the header, say what is wrong)."""
+    num_layers = getattr(text_config(model_config), "num_hidden_layers", None)
+    try:
+        return None if num_layers is None else max(resolve_layers(explicit, int(num_layers))) + 1
+    except ConfigError:
+        return None
 
 
 def estimate_tokens_per_row(rows: Iterable[Row], max_length: int) -> float:
@@ -170,10 +181,11 @@ def in_form_of(header: dict[str, Any], stored: dict[str, Any] | None) -> dict[st
 
 def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, template: str, rows: list[Row]) -> dict[str, Any]:
     """Return the header this run's store must have; any difference from an existing store is a mismatch."""
-    num_layers = int(model_config.num_hidden_layers)
+    text = text_config(model_config)  # a multimodal wrapper's language model keeps these fields nested
+    num_layers = int(text.num_hidden_layers)
     layer_ids = resolve_layers(cfg.layers, num_layers)
-    hidden = int(model_config.hidden_size)
-    mask = resolve_mask_token(int(model_config.vocab_size), len(tokenizer), cfg.mask_token_id, cfg.model)
+    hidden = int(text.hidden_size)
+    mask = resolve_mask_token(int(text.vocab_size), len(tokenizer), cfg.mask_token_id, cfg.model)
     bad: dict[str, int] = {}
 
     def counted(rows: Iterable[Row]) -> Iterator[Row]:
@@ -201,7 +213,7 @@ def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, templa
             "config_hash": _file_hash(config_file) if config_file.is_file() else None,
             "fingerprint": target_fingerprint(cfg.model),
             "num_layers": num_layers,
-            "vocab_size": int(model_config.vocab_size),
+            "vocab_size": int(text.vocab_size),
         },
         "layer_ids": layer_ids,
         "hidden_size": hidden,

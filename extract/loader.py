@@ -1,8 +1,9 @@
 """The target loaded on a thread beside the command's start-up: architecture check, device init, then weights.
 
 A one-device `dflash extract` starts it as soon as the device and dtype are known, so the load runs while the main
-thread reads the data, builds the header and the plan, creates the store and tokenises the first shard; the worker
-then waits for it (`model_wait`) instead of loading it after all of that.
+thread reads the data and builds the header and the plan; the main thread then waits for it (`model_wait`) and checks
+the truncated runner against the full model (`runner`) before it creates the store, so a target dflash cannot run
+exactly leaves no store behind.
 
 Why this is safe beside the other threads: transformers builds the model under `local_torch_dtype`, which sets
 torch's default dtype, a process-wide setting, for as long as the modules are made (and `from_config`, the
@@ -11,7 +12,7 @@ come out in the target's dtype. That is why the check runs here, on the load's o
 such save/set/restore pairs interleaved can even leave the wrong default behind for good), and why everything the
 main and tokenise threads do until they wait for the target is torch-free: rows and chat templates are Python,
 token ids and masks are numpy with explicit dtypes, the store is zarr. The first torch work on those threads
-(padding a batch, the runner's self-check) comes after `result()`, when the load has restored the default.
+(the runner's self-check, padding a batch) comes after `result()`, when the load has restored the default.
 """
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ class BackgroundLoad:
     exceptions the load raises when it runs in line (InputError for a folder it cannot load).
     """
 
-    def __init__(self, model_dir: str, model_config: Any, device: str, dtype: str, timeline: Any) -> None:
+    def __init__(self, model_dir: str, model_config: Any, device: str, dtype: str, timeline: Any,
+                 depth: int | None = None) -> None:
         self.model_dir = model_dir
+        self.depth = depth  # the decoder layers extraction runs: the check covers their kinds
         # The check may adjust the config it builds from (attention implementation): never the caller's copy,
         # which the header is built from meanwhile.
         self._config = copy.deepcopy(model_config)
@@ -59,7 +62,7 @@ class BackgroundLoad:
                 from ..target.adapter import check_architecture
                 from ..target.load import load_for_features
             with self._tl.stage("model_check", main=False):
-                check_architecture(self._config, self.model_dir)
+                check_architecture(self._config, self.model_dir, self.depth)
         except BaseException as e:  # handed to checked() and result(), in the caller's thread
             self._error = self._check_error = e
             self._checked.set()

@@ -174,7 +174,7 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
 
 
 def _prefetch(cfg: "ExtractConfig", tl: Any) -> Any:
-    """Start reading the target's weight files into the page cache, beside the imports (target/load.py's WeightPrefetch)."""
+    """Start reading the target's weight files into the page cache, beside the imports (target.load.WeightPrefetch)."""
     from ..target.load import WeightPrefetch
 
     prefetch = WeightPrefetch(cfg.model, on_done=lambda s: tl.add("model_prefetch", s, main=False))
@@ -185,6 +185,7 @@ def _run(cfg: "ExtractConfig", tl: Any) -> dict[str, Any]:
     """Return run()'s summary (its timeline started, the weights being read)."""
     _timed_imports(tl)
     from ..target.adapter import check_architecture
+    from .header import captured_depth
     from .loader import BackgroundLoad
 
     with tl.stage("model_config"):
@@ -195,12 +196,13 @@ def _run(cfg: "ExtractConfig", tl: Any) -> dict[str, Any]:
         devices = resolve_devices(cfg.gpus, local_rank)
         stored, complete = _stored(cfg.out)
         cfg = _resolve_dtype(cfg, devices[0], stored)
+    depth = captured_depth(cfg.layers, model_config)
     loader = None
     if _load_beside(cfg, devices, complete):
-        loader = BackgroundLoad(cfg.model, model_config, devices[0], cfg.dtype, tl).start()
+        loader = BackgroundLoad(cfg.model, model_config, devices[0], cfg.dtype, tl, depth).start()
     else:
         with tl.stage("model_config"):
-            check_architecture(model_config, cfg.model)
+            check_architecture(model_config, cfg.model, depth)
     try:
         summary = _extract(cfg, tl, model_config, tokenizer, devices, stored, ranks.rank, local_rank, loader)
     except Exception:
@@ -224,7 +226,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
     from .header import build_header, in_form_of
     from .progress import Progress, format_summary, summarise
     from .template import load_template
-    from .worker import WorkerSpec, auto_writer_threads, host_buffers
+    from .worker import WorkerSpec, auto_writer_threads, feature_runner, host_buffers
 
     # Everything that can refuse the run (devices, data, a folder without weights, an architecture dflash cannot
     # run) is checked before the store exists, so a refused run leaves no store behind.
@@ -247,9 +249,14 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
             if cfg.dry_run:
                 return {"plan": plan.to_dict()}
         tl.add("plan", time.perf_counter() - plan_t0)
+        runner, runner_t0 = None, time.perf_counter()
         if loader is not None:
             with tl.stage("model_wait"):
                 loader.checked()
+                model = loader.result()
+            with tl.stage("runner"):  # the truncated runner's self-check refuses a target it cannot run exactly
+                runner = feature_runner(cfg, header, model)
+        runner_s = time.perf_counter() - runner_t0
     except DflashError:
         if loader is not None:
             loader.checked()  # the architecture's refusal comes first, as when it was checked before the data
@@ -291,7 +298,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
         len(devices), ",".join(devices), threads,
     )
     try:
-        results = _run_workers(cfg, specs, rows, progress, tl, tokenizer, template, loader, buffers)
+        results = _run_workers(cfg, specs, rows, progress, tl, tokenizer, template, runner, runner_s, buffers)
     except Exception:
         # A run that made this store and failed before its first commit (a target that fails to load, weights that
         # are not finite, a self-check that refuses) leaves no skeleton behind; peers launched beside it may still
@@ -322,8 +329,9 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
 
 
 def _run_workers(cfg: "ExtractConfig", specs: list[Any], rows: Any, progress: Any, tl: Any, tokenizer: Any,
-                 template: str, loader: Any, buffers: Any) -> list[dict[str, Any]]:
-    """Return each worker's result: the one in this process, or the spawned ones."""
+                 template: str, runner: Any, runner_s: float, buffers: Any) -> list[dict[str, Any]]:
+    """Return each worker's result: the one in this process (with the target's runner already made and checked
+    when there is one, and the seconds waited for it), or the spawned ones."""
     from .template import ChatEncoder
     from .worker import run_worker
 
@@ -332,7 +340,7 @@ def _run_workers(cfg: "ExtractConfig", specs: list[Any], rows: Any, progress: An
         encoder = (ChatEncoder(tokenizer, template, cfg.max_length, cfg.chat_template_kwargs),
                    tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         return [run_worker(cfg, specs[0], rows, progress.update, timeline=tl, encoder=encoder,
-                           model=loader.result if loader is not None else None, buffers=buffers)]
+                           runner=runner, runner_s=runner_s, buffers=buffers)]
     return _run_spawned(cfg, specs, progress)
 
 

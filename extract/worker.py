@@ -1,7 +1,6 @@
 """One extract worker (one process per device): claims uncommitted shards one at a time and fills them."""
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -124,17 +123,25 @@ def host_buffers(cfg: "ExtractConfig", header: dict[str, Any], device: str) -> A
     return HostBuffers(shape, device).start()
 
 
+def feature_runner(cfg: "ExtractConfig", header: dict[str, Any], model: Any) -> Any:
+    """Return the truncated runner of a loaded target, checked against the full model (InputError when it differs)
+    on rows as long as the longest sample extraction runs, or longer than every attention window."""
+    from ..target.runner import TargetRunner
+
+    return TargetRunner(model, header["layer_ids"], check_length=cfg.max_length)
+
+
 def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, pad_id: int,
                      on_batch: Callable[[int, int], None] | None = None, timeline: Any = None,
-                     model: Any = None, buffers: Any = None) -> Any:
-    """Return the feature pipeline of the target on `device` (loaded now unless `model` is the loaded target;
-    buffers: its host buffers already being allocated, else they are allocated beside this load)."""
+                     runner: Any = None, buffers: Any = None) -> Any:
+    """Return the feature pipeline of the target on `device` (loaded and checked now unless `runner` is the
+    target's runner already made; buffers: its host buffers already being allocated, else they are allocated
+    beside this load)."""
     import contextlib
 
     import torch
 
     from ..target.load import load_for_features
-    from ..target.runner import TargetRunner
     from .pipeline import FeaturePipeline
 
     def stage(name: str) -> Any:
@@ -148,11 +155,11 @@ def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, 
     profile = bool(getattr(cfg, "profile", None))
     if buffers is None:
         buffers = host_buffers(cfg, header, device)
-    if model is None:
+    if runner is None:
         with stage("model_load"):
             model = load_for_features(cfg.model, dev, getattr(torch, cfg.dtype))
-    with stage("runner"):  # the truncated runner and its self-check against the full model
-        runner = TargetRunner(model, header["layer_ids"])
+        with stage("runner"):  # the truncated runner and its self-check against the full model
+            runner = feature_runner(cfg, header, model)
     with stage("host_buffers"):  # waiting for the pinned host buffers features are copied into
         return FeaturePipeline(runner, cfg.batch_tokens, pad_id=pad_id, on_batch=on_batch, timeline=timeline,
                                profile=profile, buffers=buffers)
@@ -167,14 +174,15 @@ def open_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str,
 
 def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, report: Report, *,
                timeline: Any = None, encoder: tuple[Any, int] | None = None,
-               model: Callable[[], Any] | None = None, buffers: Any = None) -> dict[str, Any]:
+               runner: Any = None, runner_s: float = 0.0, buffers: Any = None) -> dict[str, Any]:
     """Return this worker's totals (and its timeline) after it has filled every shard it could claim; report()
     gets progress events.
 
     timeline: the run's Timeline when the worker runs in the command's own process (else one from this process's
-    start); encoder: (chat encoder, pad id) already made; model: a function returning the target already being
-    loaded (orchestrate starts the load beside reading the data); buffers: the pipeline's host buffers already
-    being allocated (worker.host_buffers).
+    start); encoder: (chat encoder, pad id) already made; runner: the target's runner already made and checked
+    (orchestrate loads the target beside reading the data and checks it before the store exists), runner_s: the
+    seconds the command waited for it (counted in the load time the summary reports); buffers: the
+    pipeline's host buffers already being allocated (worker.host_buffers).
     """
     from ..storage import Store
     from ..chatfiles import read_rows
@@ -196,13 +204,11 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, r
 
     def make_pipeline() -> Any:
         # Called once the first shard is being tokenised: loading the model and tokenising overlap.
-        with tl.stage("model_wait") if model is not None else contextlib.nullcontext():
-            target = model() if model is not None else None
         pipeline = feature_pipeline(
             cfg, header, spec.device, pad_id,
             on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}),
-            timeline=tl, model=target, buffers=buffers)
-        loaded["load_s"] = time.perf_counter() - t_start
+            timeline=tl, runner=runner, buffers=buffers)
+        loaded["load_s"] = runner_s + time.perf_counter() - t_start
         return pipeline
 
     ranges = shard_ranges(len(rows), header["shard_plan"]["rows_per_shard"])

@@ -1,35 +1,108 @@
-"""The architecture adapter: which decoder stack of a causal LM dflash runs, and whether it can run it."""
+"""The architecture adapter: the text decoder stack inside a causal LM or a multimodal wrapper, its config, its layer
+kinds and windows, and the attention implementation that runs it exactly."""
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ..errors import InputError
 
-__all__ = ["SUPPORTED", "decoder_base", "check_architecture"]
+__all__ = ["SUPPORTED", "KINDS", "text_config", "text_model", "layer_kinds", "longest_window", "attention_for",
+           "linear_attention_path", "check_architecture"]
 
-SUPPORTED = "decoder-only transformers with rotary embeddings (Llama, Qwen2, Qwen3, Mistral and their kin)"
-
-
-def decoder_base(model: Any, where: str) -> Any:
-    """Return the decoder stack (embed_tokens, layers, rotary_emb) of a causal LM; InputError naming what is
-    supported when the model has none (an encoder such as BERT, an encoder-decoder, another layout)."""
-    base = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
-    missing = [n for n in ("embed_tokens", "layers", "rotary_emb") if not hasattr(base, n)]
-    if missing:
-        cfg = getattr(model, "config", None)
-        kind = f"{getattr(cfg, 'model_type', '?')} model ({type(model).__name__})"
-        raise InputError(
-            f"--model {where}: expected a decoder-only causal LM, found a {kind} without {', '.join(missing)}; "
-            f"dflash extract supports {SUPPORTED}"
-        )
-    return base
+SUPPORTED = ("decoder-only transformers whose layers are full, sliding-window or linear (Gated DeltaNet) attention: "
+             "Llama, Qwen3, Qwen3-MoE, Qwen3.5/3.6, Qwen3-Next, gpt-oss, Gemma 3/4, Mistral, DeepSeek-V3 and their kin")
+# The layer kinds (transformers' layer_types) extraction runs through the model's own forward and verifies.
+KINDS = ("full_attention", "sliding_attention", "linear_attention")
+# Where a multimodal wrapper keeps its language model (Gemma 4, Qwen3.5 loaded as the wrapper), then plain LMs.
+_TEXT_MODEL_PATHS = ("model.language_model", "language_model", "model")
 
 
-def check_architecture(model_config: Any, where: str) -> None:
-    """Raise InputError unless the config builds a model dflash can run and the folder's weights are that model's
-    (both checked on the meta device: no tensor data is read)."""
+def text_config(config: Any) -> Any:
+    """Return the config of the text decoder: the `text_config` of a multimodal wrapper, else the config itself."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
+def text_model(model: Any, where: str = "the target") -> Any:
+    """Return the text decoder stack (embed_tokens, layers) of a causal LM or of the language model inside a
+    multimodal wrapper; InputError naming what is supported when there is none (an encoder, an encoder-decoder)."""
+    for path in _TEXT_MODEL_PATHS:
+        found = model
+        for name in path.split("."):
+            found = getattr(found, name, None)
+        if found is not None and hasattr(found, "layers") and hasattr(found, "embed_tokens"):
+            return found
+    if hasattr(model, "layers") and hasattr(model, "embed_tokens"):
+        return model
+    cfg = getattr(model, "config", None)
+    raise InputError(
+        f"--model {where}: expected a decoder-only causal LM, found a {getattr(cfg, 'model_type', '?')} model "
+        f"({type(model).__name__}) without a decoder stack (embed_tokens, layers); dflash extract supports {SUPPORTED}"
+    )
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """Return the kind of every decoder layer of a text config: its layer_types, else sliding_attention throughout
+    when it sets a global sliding_window (Mistral), else full_attention."""
+    n = int(config.num_hidden_layers)
+    types = list(getattr(config, "layer_types", None) or [])
+    if types:
+        return types[:n]
+    uses = getattr(config, "use_sliding_window", True)  # Qwen2-style configs carry a window they do not use
+    return ["sliding_attention" if getattr(config, "sliding_window", None) and uses else "full_attention"] * n
+
+
+def longest_window(config: Any, kinds: list[str]) -> int:
+    """Return the longest attention window among `kinds` (0 when none of them slides)."""
+    if "sliding_attention" not in kinds:
+        return 0
+    return int(getattr(config, "sliding_window", None) or 0)
+
+
+def attention_for(model_config: Any, device: Any) -> str:
+    """Return the attention implementation extraction loads the target with: flash_attention_2 on CUDA where it is
+    installed and the model runs plain attention, sdpa where the model supports it, else eager (gpt-oss: its
+    attention sinks have no SDPA kernel)."""
+    cls = _causal_lm_class(model_config)
+    sdpa = bool(getattr(cls, "_supports_sdpa", True))
+    if device.type == "cuda" and sdpa and getattr(cls, "_supports_flash_attn", False):
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa" if sdpa else "eager"
+
+
+def linear_attention_path() -> str | None:
+    """Return the flash-linear-attention version whose kernels transformers' Gated DeltaNet layers run, or None
+    when they run transformers' torch fallback (the package is not importable)."""
+    from importlib import metadata, util
+
+    if util.find_spec("fla") is None:
+        return None
+    try:
+        return metadata.version("flash-linear-attention")
+    except metadata.PackageNotFoundError:
+        return "unknown version"
+
+
+def _causal_lm_class(model_config: Any) -> Any:
+    """Return the class AutoModelForCausalLM builds for a config (None when it builds none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
+    except KeyError:
+        return None
+
+
+def check_architecture(model_config: Any, where: str, depth: int | None = None) -> None:
+    """Raise InputError unless the config builds a model dflash can run, with layer kinds it runs exactly in the
+    first `depth` layers (all when None), and the folder's weights are that model's (both checked on the meta
+    device: no tensor data is read)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     if getattr(model_config, "is_encoder_decoder", False):
@@ -47,7 +120,15 @@ def check_architecture(model_config: Any, where: str) -> None:
                          f"config ({str(e).splitlines()[0][:160]}); dflash extract supports {SUPPORTED}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    decoder_base(model, where)
+    text = text_model(model, where)
+    kinds = layer_kinds(text.config)[:depth]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise InputError(
+            f"--model {where}: {model_config.model_type} has {', '.join(unknown)} layers within the captured ones, "
+            f"which dflash extract cannot verify against the full model (it runs {', '.join(KINDS)}); "
+            "open an issue with the model's config.json"
+        )
     from .load import check_weights
 
     check_weights(where)

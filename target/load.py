@@ -170,22 +170,20 @@ def check_finite(named: Any, path: str | os.PathLike, option: str = "--model") -
                              f"{t.numel():,}; the weights are damaged: re-download or re-save them")
 
 
-def _attn_implementation(device: Any) -> str:
-    """Return flash_attention_2 when it is installed and usable here, else sdpa."""
-    if device.type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
-
-
 def load_for_features(model_dir: str | os.PathLike, device: Any, dtype: Any) -> Any:
     """Return the target as extract runs it: an eval-mode causal LM on `device` in `dtype`, with the fastest
-    attention there (its weights were checked against the model before the store was made: check_architecture)."""
-    return load_target(model_dir, device=device, dtype=dtype, attn_implementation=_attn_implementation(device),
+    attention implementation that runs it exactly there (adapter.attention_for; its weights were checked against
+    the model before the store was made: check_architecture)."""
+    from transformers import AutoConfig
+
+    from .adapter import attention_for
+
+    try:
+        config = AutoConfig.from_pretrained(os.fspath(model_dir))
+    except (OSError, ValueError) as e:
+        raise InputError(f"--model {model_dir}: expected a Hugging Face model folder with a config.json; "
+                         f"{str(e).splitlines()[0][:200]}") from None
+    return load_target(model_dir, device=device, dtype=dtype, attn_implementation=attention_for(config, device),
                        checked=True)
 
 

@@ -1,4 +1,5 @@
-"""The truncated target runner: embedding, rotary and the first k decoder layers, returning DFlash features."""
+"""The truncated target runner: the model's own text-model forward cut after the deepest captured layer, returning
+DFlash features."""
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +9,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
-from .adapter import decoder_base
+from .adapter import layer_kinds, linear_attention_path, longest_window, text_config, text_model
 
 __all__ = ["TargetRunner", "attention_backends", "pad_batch"]
 
@@ -33,54 +34,59 @@ def attention_backends(device: torch.device, cudnn: bool = False) -> Any:
 
 
 class TargetRunner:
-    """Runs the target only up to its last captured layer (no later layers, no final norm, no lm_head).
+    """Runs the target's own text-model forward with its decoder layers cut after the deepest captured one (no later
+    layers, no final norm, no lm_head), so every layer gets the masks, rotary embeddings and per-layer arguments the
+    model's forward builds for its kind: full causal, sliding windows, attention sinks, Gated DeltaNet, MLA.
 
-    Rows are right-padded, so with plain causal attention a real token never sees padding: no attention mask is
-    needed, which keeps sdpa on its fused causal kernels. The feature of layer id i is decoder layer i's output,
+    Rows are right-padded, one sample a row: a causal layer never lets a real token see the padding after it and a
+    recurrent (linear-attention) layer carries its state only forward along its own row, so no mask is passed and
+    the model builds only the masks it builds without padding (none for full attention under sdpa and flash). The
+    captured layers' outputs are taken by forward hooks. The feature of layer id i is decoder layer i's output,
     i.e. the full model's output_hidden_states[i + 1].
     """
 
-    def __init__(self, model: Any, layer_ids: list[int], *, check: bool = True, cudnn_attention: bool = False) -> None:
-        base = decoder_base(model, getattr(getattr(model, "config", None), "_name_or_path", "") or "the target")
-        cfg = base.config
+    def __init__(self, model: Any, layer_ids: list[int], *, check: bool = True, check_length: int = 4096,
+                 cudnn_attention: bool = False) -> None:
+        where = getattr(getattr(model, "config", None), "_name_or_path", "") or "the target"
+        text = text_model(model, where)
+        cfg = text_config(text.config)
         self.layer_ids = list(layer_ids)
         self.depth = max(self.layer_ids) + 1
+        self.kinds = layer_kinds(cfg)[: self.depth]
         self.cudnn_attention = cudnn_attention  # see attention_backends(); the benchmark compares both
-        types = list(getattr(cfg, "layer_types", None) or [])[: self.depth]
-        if any(t != "full_attention" for t in types):
-            raise InputError(
-                f"target {cfg.model_type}: layers {types} include sliding-window attention, which the truncated "
-                "runner does not mask; use a full-attention target (Qwen3, Llama) or open an issue"
-            )
-        self.base = base
-        if check:
-            self._self_check(model, base)
-        # Drop what extract never runs, so its memory is free for bigger batches.
-        base.layers = base.layers[: self.depth]
+        self.text = text
+        if "linear_attention" in self.kinds:
+            _log_linear_attention_path(cfg.model_type, text.embed_tokens.weight.device)
+        reference = self._reference(model, check_length) if check else None
+        # Drop what extract never runs, so its memory is free for bigger batches. The config is left whole: some
+        # forwards read it for the layers they keep (Gemma 4's KV-shared layers count from the last one).
+        text.layers = text.layers[: self.depth]
+        text.norm = torch.nn.Identity()
         if hasattr(model, "lm_head"):
             model.lm_head = None
-        base.norm = None
+        self._taken: dict[int, torch.Tensor] = {}
+        for i in self.layer_ids:
+            text.layers[i].register_forward_hook(self._take(i))
         self.hidden_size = int(cfg.hidden_size)
-        self.device = base.embed_tokens.weight.device
-        self.dtype = base.embed_tokens.weight.dtype
+        self.device = text.embed_tokens.weight.device
+        self.dtype = text.embed_tokens.weight.dtype
+        if reference is not None:
+            self._compare(cfg, *reference)
+
+    def _take(self, i: int) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            self._taken[i] = output[0] if isinstance(output, tuple) else output
+
+        return hook
 
     @torch.inference_mode()
     def hidden(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
         """Return the outputs [B, S, H] of the captured decoder layers for right-padded input_ids [B, S]."""
-        base = self.base
-        h = base.embed_tokens(input_ids)
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        rope = base.rotary_emb(h, pos)
-        wanted = set(self.layer_ids)
-        out: list[torch.Tensor] = []
+        self._taken.clear()
         with attention_backends(input_ids.device, self.cudnn_attention):
-            for j in range(self.depth):
-                h = base.layers[j](h, attention_mask=None, position_ids=pos, position_embeddings=rope)
-                if isinstance(h, tuple):  # older transformers return (hidden, attn_weights)
-                    h = h[0]
-                if j in wanted:
-                    out.append(h)
-        return out
+            self.text(input_ids=input_ids, use_cache=False)
+        taken, self._taken = self._taken, {}
+        return [taken[i] for i in self.layer_ids]
 
     @torch.inference_mode()
     def features(self, input_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -91,25 +97,75 @@ class TargetRunner:
         feats = torch.stack([c.reshape(B * S, -1).index_select(0, idx) for c in caps], dim=1)
         return feats.to(torch.bfloat16)
 
-    def _self_check(self, model: Any, base: Any) -> None:
-        """Compare this runner with the full model's output_hidden_states on a few tokens; refuse on mismatch."""
+    def _check_ids(self, cfg: Any, check_length: int) -> tuple[torch.Tensor, list[int]]:
+        """Return the self-check's right-padded rows [2, n] and their lengths: a first row longer than every window
+        (and than a Gated DeltaNet chunk), capped at the longest sample extraction runs, and a shorter second row
+        with padding after it, as extraction's batches have."""
+        window = longest_window(cfg, self.kinds)
+        n = max(2, min(check_length, max(96, window + 32)))
         gen = torch.Generator().manual_seed(0)
-        vocab = int(base.config.vocab_size)
-        ids = torch.randint(0, vocab, (1, 12), generator=gen).to(base.embed_tokens.weight.device)
+        ids = torch.randint(0, int(cfg.vocab_size), (2, n), generator=gen)
+        lengths = [n, max(1, n // 2 + 3)]
+        ids[1, lengths[1]:] = 0
+        return ids.to(self.text.embed_tokens.weight.device), lengths
+
+    def _reference(self, model: Any, check_length: int) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
+        """Return the self-check's rows, their lengths and the full model's output_hidden_states of the captured
+        layers on the same rows, taken before the model is cut.
+
+        The same batch, so the same kernels on the same shapes: in bf16 a row run alone gives other roundings
+        (a Qwen3.6-27B-shaped random target on one H200: 3% at layer 31 between a padded row and the row alone),
+        which would refuse good targets. That padding never reaches a real token is what the causal kinds
+        guarantee and tests/test_targets.py checks for each in fp32, against every sample run alone.
+        """
+        ids, lengths = self._check_ids(text_config(self.text.config), check_length)
+        kwargs = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
         # The reference takes the attention kernels the runner takes: this checks layers and positions, not kernels.
         with torch.inference_mode(), attention_backends(ids.device, self.cudnn_attention):
-            ref = base(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
-            ours = self.hidden(ids)
-        for i, got in zip(self.layer_ids, ours):
-            want = ref[i + 1]
-            err = (got.float() - want.float()).abs().max().item()
-            scale = want.float().abs().max().item() + 1e-6
-            if not err <= 2e-2 * scale:
-                raise InputError(
-                    f"target {base.config.model_type}: the truncated runner's layer {i} differs from "
-                    f"output_hidden_states[{i + 1}] by {err:.3g} (scale {scale:.3g}); this architecture is not "
-                    "supported by dflash extract"
-                )
+            states = model(input_ids=ids, use_cache=False, output_hidden_states=True, **kwargs).hidden_states
+            refs = [torch.stack([states[i + 1][b, :n] for i in self.layer_ids]) for b, n in enumerate(lengths)]
+        return ids, lengths, refs
+
+    def _compare(self, cfg: Any, ids: torch.Tensor, lengths: list[int], refs: list[torch.Tensor]) -> None:
+        """Refuse (InputError) unless the cut forward's rows equal the full model's on every token, padding and all."""
+        got = self.hidden(ids)
+        for b, (n, want) in enumerate(zip(lengths, refs)):
+            for k, i in enumerate(self.layer_ids):
+                ours, theirs = got[k][b, :n].float(), want[k].float()
+                err = (ours - theirs).abs().max().item()
+                scale = theirs.abs().max().item() + 1e-6
+                if not err <= 2e-2 * scale:
+                    kinds = ", ".join(sorted(set(self.kinds)))
+                    raise InputError(
+                        f"target {cfg.model_type} ({kinds} layers): the truncated forward's layer {i} differs from "
+                        f"the full model's output_hidden_states[{i + 1}] by {err:.3g} (scale {scale:.3g}) on a "
+                        f"{'padded ' if b else ''}row of {n} tokens; dflash extract cannot run this target exactly, "
+                        "open an issue with its config.json"
+                    )
+
+
+def _log_linear_attention_path(model_type: str, device: torch.device) -> None:
+    """Log which Gated DeltaNet kernels the target's linear-attention layers run; warn when a CUDA run has only
+    transformers' torch fallback."""
+    fla = linear_attention_path()
+    if fla is not None:
+        log.info("%s: Gated DeltaNet layers run flash-linear-attention %s's kernels", model_type, fla)
+    elif device.type == "cuda":
+        log.warning("%s: Gated DeltaNet layers run transformers' torch fallback (flash-linear-attention is not "
+                    "installed; its kernels ran a Qwen3.6-27B-shaped forward 1.45x faster on one H200): "
+                    "pip install 'dflash[hybrid]'", model_type)
+    else:
+        log.info("%s: Gated DeltaNet layers run transformers' torch fallback", model_type)
+
+
+def _accepts(model: Any, name: str) -> bool:
+    """Return True if the model's forward takes the keyword `name`."""
+    import inspect
+
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def pad_batch(samples: list[Any], pad_id: int) -> tuple[torch.Tensor, list[int]]:

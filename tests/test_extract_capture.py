@@ -53,8 +53,8 @@ def test_batched_equals_one_by_one(target, request):
 def test_runner_drops_everything_after_the_last_captured_layer(tiny_qwen3):
     model = _full(tiny_qwen3, torch.bfloat16)
     runner = TargetRunner(model, [0, 2])
-    assert len(runner.base.layers) == 3
-    assert model.lm_head is None and runner.base.norm is None
+    assert len(runner.text.layers) == 3
+    assert model.lm_head is None and isinstance(runner.text.norm, torch.nn.Identity)
 
 
 def test_cuda_extraction_leaves_cudnn_attention_out_and_restores_the_choice():

@@ -37,7 +37,7 @@ def test_an_encoder_model_is_refused_naming_what_is_supported(tmp_path, data_fil
                intermediate_size=64).save_pretrained(bert)
     tok.save_pretrained(bert)
     proc = _extract(capsys, bert, data_file, tmp_path / "store")
-    _one_line(proc, "supports decoder-only transformers with rotary embeddings")
+    _one_line(proc, "dflash extract supports decoder-only transformers")
     assert "bert" in proc.stderr and not (tmp_path / "store").exists()
 
 

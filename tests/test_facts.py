@@ -26,6 +26,16 @@ def test_single_layer_and_too_shallow():
     assert build_target_layer_ids(36, 1) == [18]
     with pytest.raises(ConfigError, match="too shallow"):
         build_target_layer_ids(3)
+    # 6 layers leave 1..3 for 5 ids: the reference's [1, 2, 2, 2, 3] would feed the drafter one layer three times.
+    for shallow in (6, 7):
+        with pytest.raises(ConfigError, match="too shallow for 5 distinct"):
+            build_target_layer_ids(shallow)
+
+
+def test_auto_ids_are_always_distinct_and_increasing():
+    for layers in range(8, 257):
+        ids = build_target_layer_ids(layers)
+        assert ids == sorted(set(ids)) and len(ids) == 5 and ids[-1] == layers - 3, (layers, ids)
 
 
 def test_validate_layer_ids():

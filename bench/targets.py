@@ -1,0 +1,169 @@
+"""Benchmark of `dflash extract` on random targets of real shapes that are not plain attention stacks, beside the
+model's own truncated forward over the same token batches in the same run.
+
+    source bench/device_env.sh && python3 bench/targets.py --work /tmp/bt [--case qwen36_27b,gpt_oss_20b]
+    python3 bench/targets.py --smoke --work /tmp/bt-smoke        # the same path on the CPU, tiny shapes first
+
+Cases (--layers auto, bf16, one GPU):
+  qwen36_27b:  Qwen3.6-27B-shaped qwen3_5 text model: hidden 5,120, 64 layers of 16 x [3 Gated DeltaNet
+               linear_attention + 1 gated full_attention], 24/4 heads of dim 256, partial rotary 0.25,
+               intermediate 17,408, vocab 248,320 (linear attention: 16 key / 48 value heads of dim 128, conv 4);
+               layers auto = [1, 16, 31, 46, 61], so the command runs 62 layers;
+  gpt_oss_20b: gpt-oss-20b-shaped: hidden 2,880, 24 layers alternating sliding (128) and full attention with
+               sinks (eager attention: no SDPA kernel takes sinks), 64/8 heads of dim 64, 32 experts top-4 of
+               width 2,880, vocab 201,088.
+Each case runs
+  (1) `dflash extract --gpus 0` as a subprocess (this script with --child: the command's own entry point, with
+      target.load.load_for_features replaced by a random init on the GPU in the product's attention choice and
+      the weight check skipped;
+      the folder holds the config, the test tokenizer and a one-tensor weights file for the fingerprint: writing
+      and reading 54 GB of random weights would measure the disk only); from its summary the steady tok/s (first
+      forward to last commit, every byte on disk) and from its log which Gated DeltaNet path ran;
+  (2) the model's own truncated forward (TargetRunner.hidden: the text model's forward cut after the deepest
+      captured layer, no self-check) over exactly the batches the command ran, in this process, twice (cold, warm);
+and prints steady / forward (the issue asks >= 0.9 of the forward) and the tok/s per GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import extract as bx  # noqa: E402  (bench/extract.py: the command runner, the data, the truncated forward)
+
+_LIN, _FULL, _SLIDE = "linear_attention", "full_attention", "sliding_attention"
+CASES = {
+    "qwen36_27b": ("qwen3_5_text", dict(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, layer_types=[_LIN, _LIN, _LIN, _FULL] * 16, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "gpt_oss_20b": ("gpt_oss", dict(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        layer_types=[_SLIDE, _FULL] * 12, max_position_embeddings=131072, tie_word_embeddings=False)),
+}
+# --smoke: the same kinds at a size a CPU runs in seconds (8 layers: --layers auto needs 8).
+SMOKE = {
+    "qwen36_27b": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       layer_types=[_LIN, _LIN, _LIN, _FULL] * 2, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=4096),
+    "gpt_oss_20b": dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=8,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                        num_experts_per_tok=2, sliding_window=32, layer_types=[_SLIDE, _FULL] * 4,
+                        max_position_embeddings=4096),
+}
+
+
+def random_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> object:
+    """Return a random-init causal LM of the folder's config on `device` in `dtype`, in the attention
+    implementation extract picks for it (target.adapter.attention_for)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.target.adapter import attention_for
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation=attention_for(config, device))
+    return model.eval()
+
+
+def make_folder(folder: Path, model_type: str, config: dict) -> None:
+    """Write a target folder: the config, the test tokenizer (one token per character) and a one-tensor weights
+    file (the command fingerprints the folder's weight files; the weights themselves are made on the GPU)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from dflash.testing import build_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    AutoConfig.for_model(model_type, **config).save_pretrained(folder)
+    build_tokenizer("chatml").save_pretrained(folder)
+    save_file({"placeholder": torch.zeros(1)}, str(folder / "model.safetensors"))
+
+
+def child(argv: list[str]) -> None:
+    """Run the `dflash` entry point with the target's load replaced by random_target and its weight check (against
+    the folder's one-tensor file) skipped (what --child does)."""
+    import dflash.target.load as loading
+    from dflash.cli import main
+
+    loading.load_for_features = random_target
+    loading.check_weights = lambda path, **kw: None
+    main(argv)
+
+
+def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
+    """Return the command's and the forward's figures of one case."""
+    from dflash.storage import Store
+
+    model_type, config = CASES[name]
+    if args.smoke:
+        config = {**config, **SMOKE[name]}
+    work = args.work / name
+    folder, data = work / "target", args.work / f"conversations-{args.tokens}.jsonl"
+    make_folder(folder, model_type, config)
+    bx.make_conversations(data, args.tokens)
+    gpus = "cpu" if args.smoke else "0"
+    cmd = bx.run_command(folder, data, work / "store", gpus, ["--dtype", "bfloat16"], work / "extract.log",
+                         profile=work / "profile.json", entry=[str(Path(__file__).resolve()), "--child"])
+    log = (work / "extract.log").read_text()
+    gdn = [line.split(": ", 1)[-1] for line in log.splitlines() if "Gated DeltaNet layers run" in line]
+    bf16 = torch.bfloat16
+    fwd = bx.truncated_forward(folder, data, work / "store", device, load=lambda: random_target(folder, device, bf16))
+    header = Store.open(str(work / "store")).header
+    out = {"case": name, "layer_ids": header["layer_ids"], "gated_deltanet": gdn[0] if gdn else None,
+           "command": {k: cmd[k] for k in ("wall_s", "tokens", "load_s", "steady_tok_s", "forward_side_tok_s")},
+           "forward": {k: fwd[k] for k in ("tokens", "batches", "tok_s", "warm_tok_s", "best_tok_s")}}
+    out["steady_over_forward"] = round(cmd["steady_tok_s"] / fwd["tok_s"], 3)
+    out["steady_over_best_forward"] = round(cmd["steady_tok_s"] / fwd["best_tok_s"], 3)
+    if cmd["timeline"] is not None:
+        print(bx.timeline_totals(cmd["timeline"]), flush=True)
+    return out
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        return child(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("bench-targets-out"))
+    ap.add_argument("--case", default="qwen36_27b,gpt_oss_20b", help="comma-separated: " + ", ".join(CASES))
+    ap.add_argument("--tokens", type=int, default=300_000, help="tokens of conversations per case")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (check the script first)")
+    ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    args = ap.parse_args()
+    if args.smoke:
+        args.tokens = min(args.tokens, 20_000)
+    device = torch.device("cpu" if args.smoke else "cuda:0")
+    from dflash.target.adapter import linear_attention_path
+
+    print(f"flash-linear-attention: {linear_attention_path() or 'not installed (torch fallback)'}", flush=True)
+    results = []
+    for name in args.case.split(","):
+        t0 = time.perf_counter()
+        r = run_case(name, args, device)
+        r["case_s"] = round(time.perf_counter() - t0, 1)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for r in results:
+        c, f = r["command"], r["forward"]
+        print(f"{r['case']}: layers {r['layer_ids']}; extract steady {c['steady_tok_s']:,.0f} tok/s (one GPU), "
+              f"own truncated forward {f['tok_s']:,.0f} cold / {f['warm_tok_s']:,.0f} warm tok/s; "
+              f"steady / forward {r['steady_over_forward']} (/ best {r['steady_over_best_forward']}); "
+              f"Gated DeltaNet: {r['gated_deltanet'] or 'none in this target'}", flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -319,7 +319,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
             return {"skipped": why}
         from transformers import AutoTokenizer
 
-        from .train.prompt_eval import prompt_ids
+        from .decode.prompt_eval import prompt_ids
 
         ids = prompt_ids(str(path), AutoTokenizer.from_pretrained(str(target)), limit=budget.humaneval_prompts)
         return decode_prompts(out / DECODE_HUMANEVAL, drafter_dir, target, ids, device=cfg.device,

@@ -59,17 +59,19 @@ def _stop_ids(target: Any) -> list[int]:
     return sorted({int(t) for t in (eos if isinstance(eos, list) else [eos]) if t is not None})
 
 
-def run_prompt_eval(cfg: "EvalConfig") -> dict[str, Any]:
-    """Return the summary of speculative against greedy decoding of the prompts (decode.speculative.summarize's keys,
-    plus the drafter, prompts file and tokens decoded per prompt)."""
+def run_prompt_eval(cfg: "EvalConfig", folder: Path, record: dict[str, Any] | None) -> dict[str, Any]:
+    """Return the summary of speculative against greedy decoding of the prompts (speculative.summarize's keys,
+    plus the drafter, prompts file and tokens decoded per prompt).
+
+    folder, record: the drafter's folder and its run record (or None), as train.checkpoint.resolve_drafter gives
+    them for cfg.drafter: the caller resolves, since decode/ knows no checkpoint format."""
     import torch
     from transformers import AutoTokenizer
 
-    from ..decode.speculative import compare_one, drafter_proposer, load_target, static_decoder, summarize
+    from .speculative import compare_one, drafter_proposer, load_target, static_decoder, summarize
     from ..runtime import Progress
-    from .checkpoint import open_drafter, resolve_drafter
+    from ..drafter.files import load_drafter
 
-    folder, record = resolve_drafter(cfg.drafter)
     target_dir = cfg.target or (record or {}).get("config", {}).get("target")
     if not target_dir:
         raise InputError(f"--drafter {cfg.drafter}: an export does not say which target it drafts for; pass "
@@ -85,7 +87,7 @@ def run_prompt_eval(cfg: "EvalConfig") -> dict[str, Any]:
         log.info("eval: %d of %d prompts already decoded in %s", len(rows), len(prompts), out)
     # float32 both ways: greedy ties then break the same in a one-token step and in a block verification.
     target = load_target(target_dir, device=device, dtype=torch.float32)
-    drafter = open_drafter(folder, device=device, dtype=torch.float32)
+    drafter = load_drafter(folder, device=device, dtype=torch.float32).eval()
     propose, stops = drafter_proposer(drafter, target), _stop_ids(target)
     decoder = static_decoder(target, drafter, prompts[len(rows):], max_new_tokens=cfg.decode)
     progress = Progress(len(prompts), unit="prompt", desc="eval decode", initial=len(rows), every_s=30.0,

@@ -116,8 +116,9 @@ class RunLog:
         if self.tb is not None:
             for key in ("loss", "acc", "tau_hat"):
                 self.tb.add_scalar(f"val/{key}", record[key], record["step"])
-        log.info("validation at step %d: loss %.4f acc %.3f tau_hat %.3f on %d blocks", record["step"],
-                 record["loss"], record["acc"], record["tau_hat"], record["blocks"])
+        trees = "".join(f" tree{n} {t:.3f}" for n, t in zip(record.get("tree_budgets", ()), record.get("tree_tau", ())))
+        log.info("validation at step %d: loss %.4f acc %.3f tau_hat %.3f%s on %d blocks", record["step"],
+                 record["loss"], record["acc"], record["tau_hat"], trees, record["blocks"])
 
     def waiting(self, text: str) -> None:
         """Show that training has caught up with the store and waits for shards."""

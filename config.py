@@ -224,7 +224,7 @@ def _check(cond: bool, message: str) -> None:
 
 
 def _check_budgets(budgets: tuple[int, ...]) -> None:
-    _check(all(n >= 1 for n in budgets), f"--tree-budgets must be node counts >= 1, got {list(budgets)}")
+    _check(all(n >= 1 for n in budgets), f"tree budgets must be node counts >= 1, got {list(budgets)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -598,6 +598,11 @@ class EvalConfig(StageConfig):
                         help="Compute dtype (weights stay fp32), as training's validation: auto is bfloat16 on CUDA "
                              "and on CPUs with native bf16, float32 on other CPUs.")
     tree_budgets: tuple[int, ...] = tree_budgets_option(" on the store")
+    tree_budget: tuple[int, ...] = option(
+        (), parse="parse_budgets", metavar="N[,N..]",
+        help="With --prompts: also decode with DDTree trees of N nodes (one drafter pass, one target forward over "
+             "the tree, greedy) and report tau, target forwards and wall clock beside greedy and the path, per N. "
+             "Attention-only targets (Llama, Qwen2, Qwen3).")
 
     def __post_init__(self) -> None:
         _check(self.store is not None or self.prompts is not None,
@@ -615,6 +620,10 @@ class EvalConfig(StageConfig):
         _check(self.anchors >= 1, f"--anchors must be >= 1, got {self.anchors}")
         _check(self.dtype in DTYPE_CHOICES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
         _check_budgets(self.tree_budgets)
+        _check_budgets(self.tree_budget)
+        _check(not self.tree_budget or self.prompts is not None,
+               f"--tree-budget {','.join(map(str, self.tree_budget))} decodes prompts: pass --prompts FILE (on a store, "
+               "--tree-budgets reports tree tau teacher-forced)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ from ..errors import InputError
 if TYPE_CHECKING:
     from ..config import EvalConfig
 
-__all__ = ["prompt_ids", "run_prompt_eval", "format_prompt_eval"]
+__all__ = ["prompt_ids", "run_prompt_eval", "format_prompt_eval", "tree_line"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ def run_prompt_eval(cfg: "EvalConfig", folder: Path, record: dict[str, Any] | No
     from transformers import AutoTokenizer
 
     from .speculative import compare_one, drafter_proposer, load_target, static_decoder, summarize
+    from .tree import tree_decoders
     from ..runtime import Progress
     from ..drafter.files import load_drafter
 
@@ -90,6 +91,7 @@ def run_prompt_eval(cfg: "EvalConfig", folder: Path, record: dict[str, Any] | No
     drafter = load_drafter(folder, device=device, dtype=torch.float32).eval()
     propose, stops = drafter_proposer(drafter, target), _stop_ids(target)
     decoder = static_decoder(target, drafter, prompts[len(rows):], max_new_tokens=cfg.decode)
+    trees = tree_decoders(target, drafter, cfg.tree_budget, prompts[len(rows):], max_new_tokens=cfg.decode)
     progress = Progress(len(prompts), unit="prompt", desc="eval decode", initial=len(rows), every_s=30.0,
                         logger=log)
     t0 = time.perf_counter()
@@ -97,7 +99,7 @@ def run_prompt_eval(cfg: "EvalConfig", folder: Path, record: dict[str, Any] | No
         for ids in prompts[len(rows):]:
             row = compare_one(target, propose, ids, block_size=drafter.config.block_size,
                               layer_ids=drafter.config.target_layer_ids, max_new_tokens=cfg.decode,
-                              stop_ids=stops, parity=True, decoder=decoder)
+                              stop_ids=stops, parity=True, decoder=decoder, trees=trees)
             rows.append(row)
             if out is not None:
                 append_lines(out, [json.dumps(row)])
@@ -131,4 +133,12 @@ def format_prompt_eval(r: dict[str, Any]) -> str:
         f"identical   {'yes' if r['identical'] else 'NO'} ({r['identical_prompts']}/{r['prompts']} prompts equal "
         "plain greedy)",
     ]
+    lines += [tree_line(n, t) for n, t in (r.get("trees") or {}).items()]
     return "\n".join(lines)
+
+
+def tree_line(budget: str, t: dict[str, Any]) -> str:
+    """Return one line of a tree budget's results (summarize's trees[budget])."""
+    return (f"tree N={budget:<4} tau {t['tau']:.3f}, forwards {t['forwards']} ({t['speedup_forwards']:.2f}x fewer "
+            f"than greedy), {t['seconds']:.1f} s ({t['speedup_wall_clock']:.2f}x greedy, {t['speedup_vs_path']:.2f}x "
+            f"the path), {'identical to greedy' if t['identical'] else 'NOT identical to greedy'}")

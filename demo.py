@@ -72,6 +72,10 @@ class Budget:
     position_weights: str = "decay"
     # DDTree budgets the held-out prompts are also decoded with (greedy trees, decode/tree.py): one column each.
     tree_budgets: tuple[int, ...] = ()
+    # Extra objectives of the training (train/tree_loss.py; bench/demo_gpu.py's A/B sets them): --tree-loss N and
+    # --accept-loss.
+    tree_loss: int | None = None
+    accept_loss: bool = False
 
 
 BUDGETS = {
@@ -171,7 +175,7 @@ def train_config(budget: Budget, store_dir: Path, target: Path, run_dir: Path, g
                        draft_layers=budget.draft_layers, block_size=budget.block_size, anchors=budget.anchors,
                        val_shards=tuple(range(budget.held_out_shards)), resume=True,
                        save_every=max(1, budget.steps // 6), log_every=max(1, budget.steps // 30), dtype="auto",
-                       warmup_ratio=0.04,
+                       warmup_ratio=0.04, tree_loss=budget.tree_loss, accept_loss=budget.accept_loss,
                        # The demo's stage times (bench/RESULTS.md) were measured with eager layers; compiling was
                        # measured on the 8B-sized drafter only, not on this 2-layer one.
                        compile_layers="off")

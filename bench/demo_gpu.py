@@ -64,8 +64,9 @@ def _arm(folder: Path, spec: dict) -> dict:
         params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     steps = s["training_steps"]
     late = [r for r in train if r["step"] > steps // 2 and r.get("tokens_per_s")]
-    return {"overrides": spec, "drafter": spec.get("drafter", "dflash"),
-            "position_weights": spec.get("position_weights", "decay"), **{k: s[k] for k in (
+    # What the arm trained (the budget's defaults unless the spec names others), as its table records it.
+    return {"overrides": spec, "drafter": spec.get("drafter") or s["drafter"].split(",")[0],
+            "position_weights": spec.get("position_weights") or s.get("position_weights", "decay"), **{k: s[k] for k in (
                 "tau_hat", "tau", "training_seconds", "training_steps", "speedup_target_forwards",
                 "identical_to_greedy", "stage_seconds", "tau_hat_decoded_same_anchors", "humaneval")},
             "s_per_step": round(s["training_seconds"] / max(1, steps), 4),

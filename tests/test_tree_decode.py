@@ -12,7 +12,7 @@ from dflash.decode.tree import TreeDecoder, ancestor_mask, tree_unsupported
 from dflash.drafter.tree import build_tree
 from dflash.errors import InputError
 from dflash.facts import build_target_layer_ids
-from dflash.static_kv import StaticTarget
+from dflash.target.static_kv import StaticTarget
 from test_speculative import FIT_PROMPTS, _fitted_drafter
 
 

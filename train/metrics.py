@@ -64,6 +64,9 @@ def truncate_metrics(run: str | os.PathLike, step: int) -> int:
     # does not publish it again).
     keep = [r for r in records if int(r.get("step", 0)) < step
             or (r.get("step") == step and (r.get("split") == "train" or r.get("event") == "checkpoint"))]
+    if step and not any(r.get("event") == "checkpoint" and r.get("step") == step for r in keep):
+        # A run killed between publishing this checkpoint and logging that it did: it is published (we resume it).
+        keep.append({"event": "checkpoint", "step": step})
     write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
     return len(records) - len(keep)
 

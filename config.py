@@ -130,11 +130,12 @@ def parse_sampling_mix(value: Any) -> tuple[dict[str, Any], ...] | None:
     return tuple(entries)
 
 
-def parse_budgets(value: Any) -> tuple[int, ...]:
-    """Return the tree budgets of a `--tree-budgets` value ("8,16,32,64" -> (8, 16, 32, 64); "" -> ())."""
+def parse_budgets(value: Any) -> tuple[int, ...] | None:
+    """Return the tree budgets of a `--tree-budgets` / `--tree-budget` value ("8,16,32,64" -> (8, 16, 32, 64);
+    "" -> (); None -> None: not given)."""
     if value is None:
-        return ()
-    return _parse_ids(value, "--tree-budgets", "8,16,32,64 (or '' for none)")
+        return None
+    return _parse_ids(value, "tree budgets", "8,16,32,64 (or '' for none)")
 
 
 def parse_val_fraction(value: Any) -> float | None:
@@ -598,8 +599,8 @@ class EvalConfig(StageConfig):
                         help="Compute dtype (weights stay fp32), as training's validation: auto is bfloat16 on CUDA "
                              "and on CPUs with native bf16, float32 on other CPUs.")
     tree_budgets: tuple[int, ...] = tree_budgets_option(" on the store")
-    tree_budget: tuple[int, ...] = option(
-        (), parse="parse_budgets", metavar="N[,N..]",
+    tree_budget: tuple[int, ...] | None = option(
+        None, parse="parse_budgets", metavar="N[,N..]",
         help="With --prompts: also decode with DDTree trees of N nodes (one drafter pass, one target forward over "
              "the tree, greedy) and report tau, target forwards and wall clock beside greedy and the path, per N. "
              "Attention-only targets (Llama, Qwen2, Qwen3).")
@@ -620,9 +621,9 @@ class EvalConfig(StageConfig):
         _check(self.anchors >= 1, f"--anchors must be >= 1, got {self.anchors}")
         _check(self.dtype in DTYPE_CHOICES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
         _check_budgets(self.tree_budgets)
-        _check_budgets(self.tree_budget)
+        _check_budgets(self.tree_budget or ())
         _check(not self.tree_budget or self.prompts is not None,
-               f"--tree-budget {','.join(map(str, self.tree_budget))} decodes prompts: pass --prompts FILE (on a store, "
+               f"--tree-budget {','.join(map(str, self.tree_budget or ()))} decodes prompts: pass --prompts FILE (on a store, "
                "--tree-budgets reports tree tau teacher-forced)")
 
 

@@ -91,7 +91,7 @@ def run_prompt_eval(cfg: "EvalConfig", folder: Path, record: dict[str, Any] | No
     drafter = load_drafter(folder, device=device, dtype=torch.float32).eval()
     propose, stops = drafter_proposer(drafter, target), _stop_ids(target)
     decoder = static_decoder(target, drafter, prompts[len(rows):], max_new_tokens=cfg.decode)
-    trees = tree_decoders(target, drafter, cfg.tree_budget, prompts[len(rows):], max_new_tokens=cfg.decode)
+    trees = tree_decoders(target, drafter, cfg.tree_budget or (), prompts[len(rows):], max_new_tokens=cfg.decode)
     progress = Progress(len(prompts), unit="prompt", desc="eval decode", initial=len(rows), every_s=30.0,
                         logger=log)
     t0 = time.perf_counter()

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Tree", "build_tree", "best_scores", "tree_depths", "TREE_BUDGETS"]
+__all__ = ["Tree", "build_tree", "best_scores", "tree_depths", "chain_best_scores", "TREE_BUDGETS"]
 
 TREE_BUDGETS = (8, 16, 32, 64)  # the budgets the metric reports by default: DDTree's range
 
@@ -115,3 +115,28 @@ def tree_depths(logp: torch.Tensor, gold: torch.Tensor, budgets: Sequence[int]) 
         s = torch.cumsum(gold.detach().to(best.dtype), 1)  # -inf from the first slot that does not count
         out = [((s >= best[:, n - 1:n]) & torch.isfinite(s)).sum(1) for n in budgets]
         return torch.stack(out, 1)
+
+
+def chain_best_scores(first: torch.Tensor, trans: torch.Tensor, budget: int) -> torch.Tensor:
+    """Return [A, budget]: the best prefix scores, largest first, of trees whose slot distributions depend on the
+    token before (DFlash 2's selector tree): first [A, K] slot 1's log-probabilities over its K candidates, trans
+    [A, D-1, K, K] slot d+1's over its candidates given the candidate (index) taken at slot d. -inf: no such node.
+
+    The tree's N best prefixes are closed under taking the parent, so its nodes of length d are among the
+    extensions of the N best of length d-1 (all K of them here, the scores not being separable). Not
+    differentiable."""
+    with torch.no_grad():
+        A, K = first.shape
+        n = budget
+        acc = torch.promote_types(first.dtype, torch.float32)
+        top = torch.topk(first.to(acc), min(n, K), dim=1)
+        pad = torch.full((A, n - top.values.shape[1]), float("-inf"), dtype=acc, device=first.device)
+        score = torch.cat([top.values, pad], 1)
+        last = torch.cat([top.indices, torch.zeros_like(pad, dtype=torch.long)], 1)  # candidate index of each prefix
+        found = [score]
+        for d in range(trans.shape[1]):
+            step = trans[:, d].to(acc).gather(1, last[..., None].expand(A, n, K))  # [A, n, K]
+            best = torch.topk((score[..., None] + step).reshape(A, n * K), n, dim=1)
+            score, last = best.values, best.indices % K
+            found.append(score)
+        return torch.topk(torch.cat(found, 1), n, dim=1).values

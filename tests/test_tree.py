@@ -10,7 +10,7 @@ import torch
 from torch.nn import functional as F
 
 from dflash.drafter.attention import make_attend
-from dflash.drafter.target_head import load_target_head
+from dflash.target.head import load_target_head
 from dflash.drafter.tree import best_scores, build_tree
 from dflash.train.objective import pack_batch, predict
 from dflash.train.tree_loss import tree_terms
@@ -127,3 +127,58 @@ def test_a_tree_loss_run_logs_its_terms_and_tree_tau_and_resumes_after_sigkill(s
     vals = [r for r in read_metrics(full) if r.get("split") == "val"]
     assert vals and all(r["tree_budgets"] == [4, 8] and 1.0 <= r["tau_hat"] <= r["tree_tau"][0] <= r["tree_tau"][1]
                         for r in vals)
+
+
+def test_dflash2s_selector_tree_depth_equals_enumerating_every_path_of_its_candidates(tiny_qwen3) -> None:
+    """The selector's tree (children: the slot's top-K candidates, scored by the log-softmax of the selector's scores
+    given the parent's token): its N best prefixes by brute force over every path, against the batched metric."""
+    from dflash.drafter.model import DFlashDrafter, DrafterConfig, unary_logits
+    from dflash.facts import build_target_layer_ids
+
+    cfg = DrafterConfig.from_target(tiny_qwen3, target_layer_ids=build_target_layer_ids(8), mask_token_id=262,
+                                    draft_layers=1, block_size=5, drafter="dflash2", selector_top_k=3,
+                                    selector_rank=8, conv_group_size=16)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg).double()
+    with torch.no_grad():
+        for name, q in model.named_parameters():
+            if "norm" not in name:
+                q.normal_(0.0, 0.5)
+    head = load_target_head(tiny_qwen3, dtype=torch.float64)
+    batch = pack_batch(_sequences(cfg.hidden_size, cfg.vocab_size), block_size=5, mask_token_id=262, max_anchors=8,
+                       seed=0)
+    budgets = (1, 4, 12)
+    with torch.no_grad():
+        emb = F.embedding(batch.block_ids.reshape(-1), head.embed)
+        hidden = model(batch.features, batch.ctx_pos, emb, batch.block_pos.reshape(-1),
+                       make_attend(batch, cfg, "sdpa", None)).view(batch.num_blocks, 5, -1)[:, 1:]
+        logits = unary_logits(cfg, hidden @ head.lm_head.T)
+        # Gold tokens among the candidates in every other block (random labels almost never are), at random ranks.
+        g = torch.Generator().manual_seed(1)
+        picks = torch.topk(logits, 3, dim=-1).indices.gather(2, torch.randint(0, 3, (*logits.shape[:2], 1), generator=g))
+        batch.labels[::2, 1:] = picks[::2, :, 0]
+        p = predict(model, batch, head.embed, head.lm_head, tree_budgets=budgets)
+    sel = model.candidate_selector
+    counted = batch.weights[:, 1:] > 0
+    expect = []
+    for b in range(batch.num_blocks):
+        prefix = int(torch.cumprod(counted[b].int(), 0).sum())
+        unary, cands = torch.topk(logits[b], 3, dim=-1)
+
+        def logp(d: int, prev: int) -> torch.Tensor:
+            pred = torch.tensor([prev] * 3)
+            return sel.scores(hidden[b, d].expand(3, -1), unary[d][None].expand(3, -1), cands[d][None].expand(3, -1),
+                              pred)[0].log_softmax(-1)
+
+        paths = []  # (score, tokens) of every prefix through the candidates
+        for d in range(1, prefix + 1):
+            for picks in itertools.product(range(3), repeat=d):
+                toks = [int(cands[i, k]) for i, k in enumerate(picks)]
+                before = [int(batch.block_ids[b, 0])] + toks
+                paths.append((sum(float(logp(i, before[i])[k].detach()) for i, k in enumerate(picks)), tuple(toks)))
+        paths.sort(reverse=True)
+        gold = tuple(batch.labels[b, 1:1 + prefix].tolist())
+        expect.append([max([d for d in range(prefix + 1) if d == 0 or gold[:d] in {t for _, t in paths[:n]}])
+                       for n in budgets])
+    assert p.selector_tree_depths.tolist() == expect
+    assert any(r[-1] > 0 for r in expect)  # some gold prefix is in a tree: the comparison has teeth

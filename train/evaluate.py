@@ -54,7 +54,8 @@ def evaluate_shards(
     """Return teacher-forced metrics over every sample of the shards: loss, acc, slot_accuracy, accept_rate
     (fraction of blocks whose first k drafts are all right, k = 1..B-1), tau_hat = 1 + mean streak, counts, and
     tree_tau: for each N of tree_budgets, 1 + the mean depth of the longest gold prefix inside the block's DDTree of
-    N nodes (drafter/tree.py; built from the drafter's own per-slot distributions, for DFlash 2 the unary logits).
+    N nodes (drafter/tree.py; built from the drafter's own per-slot distributions, for DFlash 2 the unary logits),
+    and for DFlash 2 selector_tree_tau, the same in the selector's tree (selector_loss.selector_tree_depths).
 
     The loss is decay-weighted whatever the run trained with (loss_weights says so): D-PACE's weights follow the
     drafter's own confidences, so its loss would not compare across drafters; tau_hat and accuracy are unweighted.
@@ -72,6 +73,7 @@ def evaluate_shards(
     ce, wsum, tokens, skipped = 0.0, 0.0, 0, []
     sums: list[Any] = []  # each batch's Metrics, for a DFlash 2 drafter's selector terms
     depth_sum = torch.zeros(len(tree_budgets), dtype=torch.float64)
+    sel_depth_sum = torch.zeros(len(tree_budgets), dtype=torch.float64)
     was_training = model.training
     model.eval()
 
@@ -85,6 +87,8 @@ def evaluate_shards(
                     tree_budgets=tuple(tree_budgets))
         if p.tree_depths is not None:
             depth_sum.add_(p.tree_depths.double().sum(0).cpu())
+        if p.selector_tree_depths is not None:
+            sel_depth_sum.add_(p.selector_tree_depths.double().sum(0).cpu())
         correct, counted, c, w = p.correct, p.counted, p.ce_sum, p.weight_sum
         hit = (correct & counted).double().cpu()
         hits.add_(hit.sum(0))
@@ -134,6 +138,8 @@ def evaluate_shards(
         "tau_hat": 1.0 + (float((streak_hist * torch.arange(B)).sum()) / blocks if blocks else 0.0),
         "tree_budgets": list(tree_budgets),
         "tree_tau": [1.0 + (float(d) / blocks if blocks else 0.0) for d in depth_sum],
+        **({"selector_tree_tau": [1.0 + (float(d) / blocks if blocks else 0.0) for d in sel_depth_sum]}
+           if model.config.drafter == "dflash2" and tree_budgets else {}),
         "blocks": int(blocks),
         "tokens": tokens,
         "shards": [s for s in shard_ids if s not in skipped],
@@ -222,6 +228,10 @@ def format_eval(result: dict[str, Any]) -> str:
         lines.append("tree tau   " + "   ".join(f"N={n} {t:.3f}" for n, t in zip(result["tree_budgets"],
                                                                                result["tree_tau"]))
                      + " (DDTree of N nodes, teacher-forced)")
+    if result.get("selector_tree_tau"):
+        lines.append("selector   " + "   ".join(f"N={n} {t:.3f}" for n, t in zip(result["tree_budgets"],
+                                                                               result["selector_tree_tau"]))
+                     + " (DFlash 2's selector tree of N nodes)")
     if result["skipped_corrupt"]:
         lines.append(f"skipped    corrupt shards {result['skipped_corrupt']}")
     return "\n".join(lines)

@@ -371,7 +371,7 @@ class Trainer:
                                       tree_budgets=self.cfg.tree_budgets)
             self.runlog.validation({"split": "val", "step": self.step, "epoch": epoch, **{k: out[k] for k in (
                 "loss", "loss_weights", "acc", "tau_hat", "slot_accuracy", "accept_rate", "blocks", "tokens", "shards",
-                "tree_budgets", "tree_tau")}})
+                "tree_budgets", "tree_tau", "selector_tree_tau") if k in out}})
         self.dist.barrier()
 
     def log_window(self, epoch: int, gnorm: float, lr: float) -> None:

@@ -18,7 +18,7 @@ from ..facts import decay_gamma
 from ..drafter.batch import PackedBatch
 from ..drafter.linear_ce import chunked_linear_ce_rows, chunked_linear_ce_topk
 from ..drafter.model import block_embeddings
-from .selector_loss import selector_loss
+from .selector_loss import selector_loss, selector_tree_depths
 from .tree_loss import tree_terms
 
 __all__ = [
@@ -325,6 +325,7 @@ class Prediction:
     selector: dict[str, Any] | None = None  # DFlash 2: selector_loss's sums (see Metrics)
     objective: dict[str, float] | None = None  # tree_sum and accept_sum (see Metrics)
     tree_depths: torch.Tensor | None = None  # [A, budgets]: the gold prefix's depth in each tree (tree_budgets)
+    selector_tree_depths: torch.Tensor | None = None  # the same in DFlash 2's selector tree
     sums: torch.Tensor | None = None  # predict(host_sync=False): the Metrics vector, still on the device
 
     def metrics(self) -> Metrics:
@@ -409,7 +410,7 @@ def predict(
         terms = tree_terms(ce, top_lp, rows, counted, row_w, tree_budget=tree_loss, accept=accept_loss,
                            budgets=tree_budgets)
         loss = loss + (terms.tree_sum + terms.accept_sum) / denominator.clamp(min=1e-12)
-    selector = None
+    selector, sel_depths = None, None
     if cfg.drafter == "dflash2":
         top = top[:, :sel_k]
         scale = row_w.detach() / denominator.clamp(min=1e-12)  # the block loss's own position weights
@@ -417,6 +418,10 @@ def predict(
         sel = selector_loss(_inner(model).candidate_selector, cfg, h, lm_head_weight, top, labels, prev, scale)
         loss = loss + sel.loss
         selector = _selector_sums(sel, row_w.detach(), rows, counted) if host_sync else sel
+        if tree_budgets:
+            sel_depths = selector_tree_depths(_inner(model).candidate_selector, cfg, h.detach(), lm_head_weight, top,
+                                              rows, counted, batch.block_ids[:, 0], batch.labels[:, 1:],
+                                              tree_budgets)
     if rows.numel() == 0:
         loss = hidden.sum() * 0.0  # keeps the graph (DDP needs every parameter used) with a zero gradient
     correct = torch.zeros_like(counted).reshape(-1)
@@ -433,7 +438,8 @@ def predict(
     return Prediction(loss=loss, correct=correct.view_as(counted), counted=counted,
                       ce_sum=float((ce.detach() * row_w).sum()), weight_sum=float(denominator),
                       slot_weight=slot_w.view_as(counted).sum(0).tolist(), selector=selector, objective=objective,
-                      tree_depths=None if terms is None else terms.depths)
+                      tree_depths=None if terms is None else terms.depths,
+                      selector_tree_depths=sel_depths)
 
 
 def _inner(model: torch.nn.Module) -> torch.nn.Module:

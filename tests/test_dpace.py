@@ -213,21 +213,7 @@ def test_train_with_dpace_records_its_weights_and_resume_refuses_decay(store, ti
 def test_a_dflash2_selector_miss_never_moves_a_position_weight(tiny_qwen3) -> None:
     """D-PACE's weights come from the block CE alone: a selector that misses differently (other codebooks) changes
     the selector's term, never a position's weight (NeMo-Automodel #2572's review)."""
-    from dflash.drafter.model import DFlashDrafter, DrafterConfig
-    from dflash.facts import build_target_layer_ids
-
-    cfg = DrafterConfig.from_target(tiny_qwen3, target_layer_ids=build_target_layer_ids(8), mask_token_id=262,
-                                    draft_layers=1, block_size=5, drafter="dflash2", selector_top_k=4,
-                                    conv_group_size=16)
-    torch.manual_seed(0)
-    model = DFlashDrafter(cfg).double()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.3)
-    head = load_target_head(tiny_qwen3, dtype=torch.float64)
-    batch = pack_batch(_sequences(cfg.hidden_size, cfg.vocab_size), block_size=5, mask_token_id=262, max_anchors=8,
-                       seed=0)
+    model, head, batch = dflash2_batch(tiny_qwen3, top_k=4, std=0.3)
     a = predict(model, batch, head.embed, head.lm_head, position_weights="dpace")
     with torch.no_grad():
         model.candidate_selector.successor_codebook.normal_(0.0, 5.0)
@@ -237,3 +223,23 @@ def test_a_dflash2_selector_miss_never_moves_a_position_weight(tiny_qwen3) -> No
         a.selector["selector_ce_sum"] != pytest.approx(b.selector["selector_ce_sum"])
     assert a.slot_weight == b.slot_weight and a.weight_sum == b.weight_sum
     assert a.ce_sum == pytest.approx(b.ce_sum)  # the block CE is the backbone's, untouched by the selector
+
+
+def dflash2_batch(target, *, top_k: int, std: float, **shape):
+    """Return (a float64 DFlash 2 drafter of block 5 with weights N(0, std), the target's head, a packed batch)."""
+    from dflash.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash.facts import build_target_layer_ids
+
+    cfg = DrafterConfig.from_target(target, target_layer_ids=build_target_layer_ids(8), mask_token_id=262,
+                                    draft_layers=1, block_size=5, drafter="dflash2", selector_top_k=top_k,
+                                    conv_group_size=16, **shape)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, std)
+    head = load_target_head(target, dtype=torch.float64)
+    batch = pack_batch(_sequences(cfg.hidden_size, cfg.vocab_size), block_size=5, mask_token_id=262, max_anchors=8,
+                       seed=0)
+    return model, head, batch

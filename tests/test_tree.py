@@ -132,21 +132,11 @@ def test_a_tree_loss_run_logs_its_terms_and_tree_tau_and_resumes_after_sigkill(s
 def test_dflash2s_selector_tree_depth_equals_enumerating_every_path_of_its_candidates(tiny_qwen3) -> None:
     """The selector's tree (children: the slot's top-K candidates, scored by the log-softmax of the selector's scores
     given the parent's token): its N best prefixes by brute force over every path, against the batched metric."""
-    from dflash.drafter.model import DFlashDrafter, DrafterConfig, unary_logits
-    from dflash.facts import build_target_layer_ids
+    from dflash.drafter.model import unary_logits
+    from test_dpace import dflash2_batch
 
-    cfg = DrafterConfig.from_target(tiny_qwen3, target_layer_ids=build_target_layer_ids(8), mask_token_id=262,
-                                    draft_layers=1, block_size=5, drafter="dflash2", selector_top_k=3,
-                                    selector_rank=8, conv_group_size=16)
-    torch.manual_seed(0)
-    model = DFlashDrafter(cfg).double()
-    with torch.no_grad():
-        for name, q in model.named_parameters():
-            if "norm" not in name:
-                q.normal_(0.0, 0.5)
-    head = load_target_head(tiny_qwen3, dtype=torch.float64)
-    batch = pack_batch(_sequences(cfg.hidden_size, cfg.vocab_size), block_size=5, mask_token_id=262, max_anchors=8,
-                       seed=0)
+    model, head, batch = dflash2_batch(tiny_qwen3, top_k=3, std=0.5, selector_rank=8)
+    cfg = model.config
     budgets = (1, 4, 12)
     with torch.no_grad():
         emb = F.embedding(batch.block_ids.reshape(-1), head.embed)

@@ -258,11 +258,14 @@ def eval_(as_json: bool, **opts: Any) -> None:
     """Teacher-forced tau_hat of a drafter on a store's held-out shards, or measured tau on a prompt file."""
     cfg = make_config(EvalConfig, opts)
     if cfg.prompts is not None:
-        from .train.prompt_eval import format_prompt_eval as fmt, run_prompt_eval as evaluate
-    else:
-        from .train.evaluate import format_eval as fmt, run_eval as evaluate
+        from .decode.prompt_eval import format_prompt_eval as fmt, run_prompt_eval
+        from .train.checkpoint import resolve_drafter
 
-    result = evaluate(cfg)
+        result = run_prompt_eval(cfg, *resolve_drafter(cfg.drafter))
+    else:
+        from .train.evaluate import format_eval as fmt, run_eval
+
+        result = run_eval(cfg)
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else fmt(result))
 
 

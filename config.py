@@ -16,6 +16,7 @@ __all__ = [
     "parse_shard_ids",
     "parse_json_object",
     "parse_sampling_mix",
+    "parse_budgets",
     "StageConfig",
     "ExtractConfig",
     "TrainConfig",
@@ -129,6 +130,14 @@ def parse_sampling_mix(value: Any) -> tuple[dict[str, Any], ...] | None:
     return tuple(entries)
 
 
+def parse_budgets(value: Any) -> tuple[int, ...] | None:
+    """Return the tree budgets of a `--tree-budgets` / `--tree-budget` value ("8,16,32,64" -> (8, 16, 32, 64);
+    "" -> (); None -> None: not given)."""
+    if value is None:
+        return None
+    return _parse_ids(value, "tree budgets", "8,16,32,64 (or '' for none)")
+
+
 def parse_val_fraction(value: Any) -> float | None:
     """Return the fraction of a `--val-fraction` value ("auto" -> None: the split's own default)."""
     if value is None or str(value).strip().lower() == "auto":
@@ -202,9 +211,21 @@ def drafter_option(default: str | None = "dflash2", why: str = "") -> Any:
                        "each sublayer and a candidate selector) or dflash (DFlashDraftModel)." + why)
 
 
+def tree_budgets_option(where: str) -> Any:
+    """Return the --tree-budgets field (train's validation and eval's: one default, one help)."""
+    return option((8, 16, 32, 64), parse="parse_budgets", metavar="N,N,..", cli_default="8,16,32,64",
+                  help="Report tree tau for DDTree budgets of these many nodes" + where + ": 1 + the depth of the "
+                       "longest gold prefix among the N best prefixes of the drafter's per-slot distributions "
+                       "(teacher-forced; '' for none).")
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+def _check_budgets(budgets: tuple[int, ...]) -> None:
+    _check(all(n >= 1 for n in budgets), f"tree budgets must be node counts >= 1, got {list(budgets)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -394,6 +415,15 @@ class TrainConfig(StageConfig):
     position_weights: str = position_weights_option()
     dpace_alpha: float = option(DPACE_ALPHA, help="D-PACE's confidence floor: q~ = (1 - alpha) q + alpha, in (0, 1] "
                                                   "(with --position-weights dpace; the paper's 0.5).")
+    tree_budgets: tuple[int, ...] = tree_budgets_option(" in validation")
+    tree_loss: int | None = option(
+        None, metavar="N",
+        help="Add the tree loss for DDTree serving with N nodes: sum_k w_k softplus(tau_N - S_k) per block, S_k the "
+             "gold prefix's summed log-probs, tau_N the N-th best prefix score (no gradient), w_k the block loss's "
+             "weights (README, train/tree_loss.py). Logged as loss_tree.")
+    accept_loss: bool = option(
+        False, help="Add minus the path's expected accepted length, sum_k prod_{i<=k} q_i(y_i) per block, over the "
+                    "block loss's denominator. Logged as loss_accept.")
 
     def __post_init__(self) -> None:
         parse_gpus(self.gpus)
@@ -439,6 +469,8 @@ class TrainConfig(StageConfig):
         _check(self.position_weights in POSITION_WEIGHTS,
                f"--position-weights {self.position_weights!r}: use {' or '.join(POSITION_WEIGHTS)}")
         _check(0 < self.dpace_alpha <= 1, f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha}")
+        _check_budgets(self.tree_budgets)
+        _check(self.tree_loss is None or self.tree_loss >= 1, f"--tree-loss must be a budget >= 1, got {self.tree_loss}")
         _check(self.dpace_alpha == DPACE_ALPHA or self.position_weights == "dpace",
                f"--dpace-alpha {self.dpace_alpha} applies to --position-weights dpace only (it is "
                f"{self.position_weights}); drop it or pass --position-weights dpace")
@@ -566,6 +598,12 @@ class EvalConfig(StageConfig):
     dtype: str = option("auto", choices=DTYPE_CHOICES,
                         help="Compute dtype (weights stay fp32), as training's validation: auto is bfloat16 on CUDA "
                              "and on CPUs with native bf16, float32 on other CPUs.")
+    tree_budgets: tuple[int, ...] = tree_budgets_option(" on the store")
+    tree_budget: tuple[int, ...] | None = option(
+        None, parse="parse_budgets", metavar="N[,N..]",
+        help="With --prompts: also decode with DDTree trees of N nodes (one drafter pass, one target forward over "
+             "the tree, greedy) and report tau, target forwards and wall clock beside greedy and the path, per N. "
+             "Attention-only targets (Llama, Qwen2, Qwen3).")
 
     def __post_init__(self) -> None:
         _check(self.store is not None or self.prompts is not None,
@@ -582,6 +620,11 @@ class EvalConfig(StageConfig):
         _check(self.batch_tokens >= 1, f"--batch-tokens must be >= 1, got {self.batch_tokens}")
         _check(self.anchors >= 1, f"--anchors must be >= 1, got {self.anchors}")
         _check(self.dtype in DTYPE_CHOICES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
+        _check_budgets(self.tree_budgets)
+        _check_budgets(self.tree_budget or ())
+        _check(not self.tree_budget or self.prompts is not None,
+               f"--tree-budget {','.join(map(str, self.tree_budget or ()))} decodes prompts: pass --prompts FILE (on a store, "
+               "--tree-budgets reports tree tau teacher-forced)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -70,6 +70,12 @@ class Budget:
     # The drafter and its loss weights (--drafter / --position-weights override them).
     drafter: str = "dflash"
     position_weights: str = "decay"
+    # DDTree budgets the held-out prompts are also decoded with (greedy trees, decode/tree.py): one column each.
+    tree_budgets: tuple[int, ...] = ()
+    # Extra objectives of the training (train/tree_loss.py; bench/demo_gpu.py's A/B sets them): --tree-loss N and
+    # --accept-loss.
+    tree_loss: int | None = None
+    accept_loss: bool = False
 
 
 BUDGETS = {
@@ -81,7 +87,7 @@ BUDGETS = {
     # target writes ~3 prompts a second here (bench/RESULTS.md), too slow for the thousands that would help.
     "full": Budget(prompts=329, gen_tokens=128, gen_batch=32, shard_prompts=16, held_out_shards=2, draft_layers=1,
                    block_size=4, steps=600, batch_tokens=1024, anchors=16, lr=3e-3, decode_prompts=8,
-                   decode_tokens=128),
+                   decode_tokens=128, tree_budgets=(8,)),
     # One GPU (sized for an H200 within 10 minutes). Held-out tau_hat is bound by the number of distinct training
     # prompts (~300 bundled ones: 1.34 at best, then memorised), so the target writes 10,000 more and answers them
     # in float32, the numerics decoding verifies in. Measured on one H200 with 8,000 self-written prompts (bf16
@@ -93,11 +99,11 @@ BUDGETS = {
                   block_size=8, steps=1600, batch_tokens=16384, anchors=64, lr=1e-3, decode_prompts=16,
                   decode_tokens=128, self_prompts=10_000, gen_dtype="float32", humaneval_prompts=32,
                   # The A/B on one H200 (bench/RESULTS.md, "DFlash 2 and D-PACE"): measured tau 1.65 -> 1.91.
-                  drafter="dflash2", position_weights="dpace"),
+                  drafter="dflash2", position_weights="dpace", tree_budgets=(16,)),
     # The reduced budget of the slow test: every stage runs for real, on a handful of prompts.
     "tiny": Budget(prompts=20, gen_tokens=24, gen_batch=10, shard_prompts=5, held_out_shards=1, draft_layers=1,
                    block_size=4, steps=6, batch_tokens=512, anchors=8, lr=2e-3, decode_prompts=2, decode_tokens=16,
-                   samples=1, self_prompts=5, humaneval_prompts=2),
+                   samples=1, self_prompts=5, humaneval_prompts=2, tree_budgets=(4,)),
 }
 
 
@@ -169,7 +175,7 @@ def train_config(budget: Budget, store_dir: Path, target: Path, run_dir: Path, g
                        draft_layers=budget.draft_layers, block_size=budget.block_size, anchors=budget.anchors,
                        val_shards=tuple(range(budget.held_out_shards)), resume=True,
                        save_every=max(1, budget.steps // 6), log_every=max(1, budget.steps // 30), dtype="auto",
-                       warmup_ratio=0.04,
+                       warmup_ratio=0.04, tree_loss=budget.tree_loss, accept_loss=budget.accept_loss,
                        # The demo's stage times (bench/RESULTS.md) were measured with eager layers; compiling was
                        # measured on the 8B-sized drafter only, not on this 2-layer one.
                        compile_layers="off")
@@ -184,12 +190,14 @@ def data_numerics(store_dir: Path) -> list[str]:
 
 
 def decode_prompts(path: Path, drafter_dir: Path, target_dir: Path, prompts: list[list[int]], *, device: str,
-                   max_new_tokens: int, numerics: list[str]) -> dict:
-    """Return the summary of speculative vs greedy decoding of the prompts, resuming from the JSONL at path."""
+                   max_new_tokens: int, numerics: list[str], tree_budgets: tuple[int, ...] = ()) -> dict:
+    """Return the summary of speculative vs greedy decoding of the prompts (and of tree decoding with these
+    budgets), resuming from the JSONL at path."""
     import torch
 
     from .chatfiles import jsonl_lines
     from .decode.speculative import compare_one, drafter_proposer, load_target, static_decoder, summarize
+    from .decode.tree import tree_decoders
     from .train.checkpoint import open_drafter
 
     if numerics and numerics != ["float32"]:
@@ -207,11 +215,12 @@ def decode_prompts(path: Path, drafter_dir: Path, target_dir: Path, prompts: lis
     rows = rows[: len(prompts)]
     propose = drafter_proposer(drafter, target)
     decoder = static_decoder(target, drafter, prompts[len(rows):], max_new_tokens=max_new_tokens)
+    trees = tree_decoders(target, drafter, tree_budgets, prompts[len(rows):], max_new_tokens=max_new_tokens)
     with open(path, "a", encoding="utf-8") as f:
         for i in range(len(rows), len(prompts)):
             row = compare_one(target, propose, prompts[i], block_size=drafter.config.block_size,
                               layer_ids=drafter.config.target_layer_ids, max_new_tokens=max_new_tokens,
-                              stop_ids=stops, parity=True, decoder=decoder)
+                              stop_ids=stops, parity=True, decoder=decoder, trees=trees)
             rows.append(row)
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -299,7 +308,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
 
         r = run_eval(EvalConfig(drafter=str(run_dir), store=str(store_dir)))
         return {k: r[k] for k in ("tau_hat", "loss", "acc", "slot_accuracy", "accept_rate", "blocks", "tokens",
-                                  "shards", "tokens_trained_on", "held_out_samples")}
+                                  "shards", "tokens_trained_on", "held_out_samples", "tree_budgets", "tree_tau")}
 
     def export() -> dict[str, Any]:
         from .train.export import export_drafter
@@ -310,7 +319,8 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
     def decode() -> dict[str, Any]:
         prompts = held_out_prompt_ids(store_dir, data, run_dir, target, budget.decode_prompts, rows_per_prompt)
         return decode_prompts(out / DECODE_FILE, drafter_dir, target, prompts, device=cfg.device,
-                              max_new_tokens=budget.decode_tokens, numerics=data_numerics(store_dir))
+                              max_new_tokens=budget.decode_tokens, numerics=data_numerics(store_dir),
+                              tree_budgets=budget.tree_budgets)
 
     def humaneval() -> dict[str, Any]:
         path = humaneval_file()
@@ -319,7 +329,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
             return {"skipped": why}
         from transformers import AutoTokenizer
 
-        from .train.prompt_eval import prompt_ids
+        from .decode.prompt_eval import prompt_ids
 
         ids = prompt_ids(str(path), AutoTokenizer.from_pretrained(str(target)), limit=budget.humaneval_prompts)
         return decode_prompts(out / DECODE_HUMANEVAL, drafter_dir, target, ids, device=cfg.device,
@@ -354,6 +364,10 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         "tau_hat": round(ev_r["tau_hat"], 3),
         "slot_accuracy": [round(a, 3) for a in ev_r.get("slot_accuracy", [])],
         "tau": round(dec_r["tau"], 3),
+        # DDTree: teacher-forced tree tau on the held-out shards per budget, and greedy tree decoding measured.
+        "tree_tau_hat": {str(n): round(t, 3) for n, t in zip(ev_r.get("tree_budgets", ()), ev_r.get("tree_tau", ()))},
+        "trees": {n: {k: _rounded(v) if isinstance(v, float) else v for k, v in t.items()}
+                  for n, t in (dec_r.get("trees") or {}).items()},
         # Teacher-forced over the decoded answers: at the anchors decoding used, and at every anchor (eval's way).
         "tau_hat_decoded_same_anchors": _rounded(dec_r.get("tau_hat_same_anchors")),
         "tau_hat_decoded_every_anchor": _rounded(dec_r.get("tau_hat_every_anchor")),
@@ -443,6 +457,14 @@ def format_table(t: dict[str, Any]) -> str:
         ("per-slot accuracy (held-out)", " ".join(f"{a:.3f}" for a in t.get("slot_accuracy", [])) or "-"),
         ("tau (measured, held-out prompts)", f"{t['tau']:.2f} over {t['held_out_prompts_decoded']} prompts"),
     ]
+    if t.get("tree_tau_hat"):
+        rows.append(("tree tau_hat (held-out, N nodes)", ", ".join(f"N={n} {v:.2f}"
+                                                                   for n, v in t["tree_tau_hat"].items())))
+    for n, tree in (t.get("trees") or {}).items():
+        rows.append((f"tree decoding, N={n}", f"tau {tree['tau']:.2f}, {tree['speedup_forwards']:.2f}x fewer target "
+                                              f"forwards, {tree['speedup_wall_clock']:.2f}x greedy wall clock "
+                                              f"({tree['speedup_vs_path']:.2f}x the path), identical "
+                                              f"{tree['identical_prompts']}/{t['held_out_prompts_decoded']}"))
     if same is not None:
         rows.append(("tau_hat on the decoded answers", f"{same:.2f} at the anchors decoding used, "
                                                        f"{t['tau_hat_decoded_every_anchor']:.2f} at every anchor"))

@@ -9,9 +9,10 @@ On a lent GPU machine, from the repo root, with the wheels carried and the SmolL
 Prints, side by side in one run: the set-up time (GGUF -> bf16 folder), the demo's wall time and table (the
 README's command with --device cuda), then for each variant of the gpu budget (same answers and store, new
 training, eval, export and decoding): held-out tau_hat, measured tau, training seconds and s/step, peak device
-memory, drafter parameters. A variant's JSON sets budget fields ("steps", "draft_layers", ...) and the demo's
-drafter options ("drafter": dflash|dflash2, "position_weights": decay|dpace). A variant starts only if the deadline
-leaves it time. JSON of everything goes to $OUT/demo_gpu.json when OUT is set.
+memory, drafter parameters, teacher-forced tree tau and tree decoding per budget. A variant's JSON sets budget
+fields ("steps", "draft_layers", "tree_loss", "accept_loss", "tree_budgets", ...) and the demo's drafter options
+("drafter": dflash|dflash2, "position_weights": decay|dpace). A variant starts only if the deadline leaves it time.
+JSON of everything goes to $OUT/demo_gpu.json when OUT is set.
 
 The drafter A/B (issue 21) over several calls, the store made once (--base-variant: the base demo runs in-process
 with those overrides instead of the full command; --keep: a later call reuses the base and finished variants):
@@ -63,11 +64,14 @@ def _arm(folder: Path, spec: dict) -> dict:
         params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     steps = s["training_steps"]
     late = [r for r in train if r["step"] > steps // 2 and r.get("tokens_per_s")]
-    return {"overrides": spec, "drafter": spec.get("drafter", "dflash"),
-            "position_weights": spec.get("position_weights", "decay"), **{k: s[k] for k in (
+    # What the arm trained (the budget's defaults unless the spec names others), as its table records it.
+    return {"overrides": spec, "drafter": spec.get("drafter") or s["drafter"].split(",")[0],
+            "position_weights": spec.get("position_weights") or s.get("position_weights", "decay"), **{k: s[k] for k in (
                 "tau_hat", "tau", "training_seconds", "training_steps", "speedup_target_forwards",
                 "identical_to_greedy", "stage_seconds", "tau_hat_decoded_same_anchors", "humaneval")},
             "s_per_step": round(s["training_seconds"] / max(1, steps), 4),
+            "tree_tau_hat": s.get("tree_tau_hat"), "trees": s.get("trees"),
+            "tau_speculative_wall_clock": s.get("speedup_wall_clock"),
             "selector_tau_hat": train[-1].get("selector_tau_hat") if train else None,
             "steady_ctx_tok_s": round(sum(r["tokens_per_s"] for r in late) / len(late)) if late else None,
             "peak_mem_gib": max((r.get("peak_mem_gib") or 0.0 for r in train), default=None),
@@ -168,6 +172,12 @@ def main() -> None:
         print(f"A/B  {v['drafter']:7s}  {v['position_weights']:7s}  {v['tau_hat']:.3f}  {v['tau']:.3f}  "
               f"{v['training_seconds']:.0f}  {v['s_per_step']:.3f}  {v['steady_ctx_tok_s']}  {v['peak_mem_gib']}  "
               f"{v['drafter_params']:,}  {v['selector_tau_hat']}", flush=True)
+    print("\nTREE  arm  tree_tau_hat(N)  path: tau wall_x  tree N: tau forwards_x wall_x vs_path identical")
+    for v in report["variants"]:
+        trees = "  ".join(f"N={n}: {t['tau']:.3f} {t['speedup_forwards']:.2f}x {t['speedup_wall_clock']:.2f}x "
+                          f"{t['speedup_vs_path']:.2f}x {t['identical_prompts']}" for n, t in (v["trees"] or {}).items())
+        print(f"TREE  {json.dumps(v['overrides'], sort_keys=True)}  {v['tree_tau_hat']}  path: {v['tau']:.3f} "
+              f"{v['tau_speculative_wall_clock']}x  {trees}", flush=True)
     b = report["base"]
     print(f"\nRESULT set-up {report['setup_convert_s']} s; demo --device {args.device} {report['demo_wall_s']} s wall; "
           f"tau_hat {b['tau_hat']:.3f}; tau {b['tau']:.3f} ({b['forwards_greedy']} -> {b['forwards_speculative']} "

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import InputError
 from .decoded import Decoded, cut_at_stop
-from ..drafter.model import DFlashDrafter, draft_tokens
+from ..drafter.model import DFlashDrafter, draft_logits, draft_tokens
 
 __all__ = [
     "Decoded",
@@ -51,9 +51,10 @@ def load_target(path: str | os.PathLike, *, device: torch.device | str = "cpu",
     return load(path, device=device, dtype=dtype, option="--target")
 
 
-def drafter_proposer(drafter: DFlashDrafter, target: Any) -> Proposer:
+def drafter_proposer(drafter: DFlashDrafter, target: Any, *, logits: bool = False) -> Proposer:
     """Return the Proposer that drafts greedily with a DFlash drafter and the target's own embedding and lm_head
-    (argmax per slot; a DFlash 2 drafter's candidate selector path, see `draft_tokens`).
+    (argmax per slot; a DFlash 2 drafter's candidate selector path, see `draft_tokens`); with logits=True it
+    returns each slot's logits [B-1, V] instead (`draft_logits`: what a tree is built from).
 
     The context's projection (fc + hidden_norm, one row per token) is kept between calls and only new rows are
     projected: a decoding's context only grows, so re-projecting all of it for every block is waste (measured on
@@ -79,7 +80,8 @@ def drafter_proposer(drafter: DFlashDrafter, target: Any) -> Proposer:
     @torch.inference_mode()
     def propose(features: torch.Tensor, anchor_id: int, anchor_pos: int) -> torch.Tensor:
         ctx = project(features, min(features.shape[0], int(anchor_pos)))
-        return draft_tokens(drafter, ctx, anchor_id, embed, head, anchor_pos, projected=True)
+        return (draft_logits if logits else draft_tokens)(drafter, ctx, anchor_id, embed, head, anchor_pos,
+                                                          projected=True)
 
     return propose
 
@@ -288,10 +290,11 @@ def static_decoder(target: Any, drafter: DFlashDrafter, prompts: Sequence[Sequen
 
 def compare_one(target: Any, propose: Proposer, prompt_ids: Sequence[int], *, block_size: int,
                 layer_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
-                parity: bool = False, decoder: Any = None) -> dict[str, Any]:
+                parity: bool = False, decoder: Any = None, trees: dict[int, Any] | None = None) -> dict[str, Any]:
     """Return one prompt's row: tau, blocks, tokens, forwards of greedy and speculative decoding, identical, seconds.
 
     decoder: a `static_decoder` runs both timed paths (greedy only, temperature 0); None, the dynamic loop.
+    trees: {budget: tree.TreeDecoder}: each also decodes the prompt (timed), in row["trees"][str(budget)].
 
     parity=True adds teacher-forced drafting over the decoded answer (untimed): at the anchors the decoding used
     (streak_sum_same, gain_sum_same: 1 + streak and what a block there gains, to set beside the measured tau;
@@ -312,10 +315,17 @@ def compare_one(target: Any, propose: Proposer, prompt_ids: Sequence[int], *, bl
         spec = speculative_decode(target, propose, prompt_ids, block_size=block_size, layer_ids=layer_ids,
                                   max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     t2 = time.perf_counter()
+    grown = {}
+    for budget, tree_decoder in (trees or {}).items():
+        t3 = time.perf_counter()
+        out = tree_decoder.decode(prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+        grown[str(budget)] = dict(blocks=len(out.accepted), tokens=len(out.tokens), forwards=out.forwards,
+                                  identical=out.tokens == plain.tokens, seconds=time.perf_counter() - t3)
     row = dict(tau=spec.tau, blocks=len(spec.accepted), tokens=len(spec.tokens), forwards_greedy=plain.forwards,
                forwards_speculative=spec.forwards, identical=plain.tokens == spec.tokens,
                seconds_greedy=t1 - t0, seconds_speculative=t2 - t1,
-               engine="dynamic" if decoder is None else ("static+graphs" if decoder.graphs else "static"))
+               engine="dynamic" if decoder is None else ("static+graphs" if decoder.graphs else "static"),
+               **({"trees": grown} if grown else {}))
     if parity:
         kw = dict(block_size=block_size, layer_ids=layer_ids)
         same = teacher_forced(target, propose, prompt_ids, spec.tokens, anchors=block_anchors(spec), **kw)
@@ -335,6 +345,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     seconds). Rows made with parity=True add tau_hat_same_anchors (teacher-forced 1 + mean streak at the anchors
     the decoding used), tau_forced_same_anchors (their gains: equals tau when decoding hands the drafter what
     training does), blocks_differ, and tau_hat_every_anchor (every anchor of the decoded answers, as eval samples).
+    Rows with trees add trees: {budget: tau, forwards, speedup_forwards, seconds, speedup_wall_clock (against
+    greedy), speedup_vs_path (speculative seconds / tree seconds), identical, identical_prompts}.
     """
     blocks = sum(r["blocks"] for r in rows)
     gained = sum(r["tokens"] - 1 for r in rows)  # every token but the prefill's came from a block
@@ -357,6 +369,16 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "tokens_per_s_speculative": sum(r["tokens"] for r in rows) / ss if ss else 0.0,
         "engine": "+".join(sorted({str(r.get("engine", "dynamic")) for r in rows})),
     }
+    if rows and all("trees" in r for r in rows):
+        out["trees"] = {}
+        for budget in [b for b in rows[0]["trees"] if all(b in r["trees"] for r in rows)]:
+            t = [r["trees"][budget] for r in rows]
+            n, f, sec = sum(x["blocks"] for x in t), sum(x["forwards"] for x in t), sum(x["seconds"] for x in t)
+            out["trees"][budget] = dict(
+                tau=sum(x["tokens"] - 1 for x in t) / n if n else 0.0, forwards=f,
+                speedup_forwards=fg / f if f else 0.0, seconds=sec, speedup_wall_clock=sg / sec if sec else 0.0,
+                speedup_vs_path=ss / sec if sec else 0.0, identical=all(x["identical"] for x in t),
+                identical_prompts=sum(bool(x["identical"]) for x in t))
     if rows and all("streak_sum_same" in r for r in rows):
         every = sum(r["anchors_every"] for r in rows)
         out.update(
@@ -372,15 +394,16 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def compare_on_prompts(target: Any, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *,
                        max_new_tokens: int, stop_ids: Sequence[int] = (), parity: bool = False,
                        on_prompt: Callable[[int, dict[str, Any]], None] | None = None,
-                       engine: str = "auto") -> dict[str, Any]:
-    """Return `summarize` of greedy speculative decoding against plain greedy decoding over the prompts."""
+                       engine: str = "auto", trees: dict[int, Any] | None = None) -> dict[str, Any]:
+    """Return `summarize` of greedy speculative decoding against plain greedy decoding over the prompts (and of
+    tree decoding: trees as compare_one takes them)."""
     propose = drafter_proposer(drafter, target)
     decoder = static_decoder(target, drafter, prompts, max_new_tokens=max_new_tokens, engine=engine)
     rows = []
     for i, ids in enumerate(prompts):
         rows.append(compare_one(target, propose, ids, block_size=drafter.config.block_size,
                                 layer_ids=drafter.config.target_layer_ids, max_new_tokens=max_new_tokens,
-                                stop_ids=stop_ids, parity=parity, decoder=decoder))
+                                stop_ids=stop_ids, parity=parity, decoder=decoder, trees=trees))
         if on_prompt is not None:
             on_prompt(i, rows[-1])
     return summarize(rows)

@@ -22,8 +22,8 @@ def default_chunk_rows(vocab_size: int) -> int:
 
 
 def _chunked_ce(hidden, weight, labels, scale, chunk_rows, need_grad, multiplier, softcap, top_k):
-    """Return (CE_i, argmax_i, top_k ids_i, d sum_i scale_i CE_i / d hidden or None), one chunk of logits alive at a
-    time; the logits are f(hidden @ weight.T) with f the target's multiplier and softcap.
+    """Return (CE_i, argmax_i, top_k ids_i, their log-probabilities, d sum_i scale_i CE_i / d hidden or None), one
+    chunk of logits alive at a time; the logits are f(hidden @ weight.T) with f the target's multiplier and softcap.
 
     scale None: the gradient of each row's own CE (unscaled), for a caller whose weights depend on the CE (D-PACE).
     """
@@ -34,6 +34,7 @@ def _chunked_ce(hidden, weight, labels, scale, chunk_rows, need_grad, multiplier
     ce = torch.empty(n, dtype=acc, device=hidden.device)
     pred = torch.empty(n, dtype=torch.long, device=hidden.device)
     cand = torch.empty(n, top_k, dtype=torch.long, device=hidden.device)
+    cand_lp = torch.empty(n, top_k, dtype=acc, device=hidden.device)
     for s in range(0, n, chunk_rows):
         e = min(n, s + chunk_rows)
         logits = (hidden[s:e] @ w.T).to(acc)
@@ -47,7 +48,9 @@ def _chunked_ce(hidden, weight, labels, scale, chunk_rows, need_grad, multiplier
         ce[s:e] = lse - logits.gather(1, lab)[:, 0]
         pred[s:e] = logits.argmax(dim=-1)
         if top_k:
-            cand[s:e] = torch.topk(logits, top_k, dim=-1).indices  # sorted: the weakest candidate last
+            top = torch.topk(logits, top_k, dim=-1)  # sorted: the weakest candidate last
+            cand[s:e] = top.indices
+            cand_lp[s:e] = top.values - lse[:, None]
         if need_grad:
             # softmax - onehot, scaled by each row's loss weight, in place to keep one chunk of logits alive.
             probs = logits.sub_(lse[:, None]).exp_()
@@ -61,7 +64,7 @@ def _chunked_ce(hidden, weight, labels, scale, chunk_rows, need_grad, multiplier
                 probs.mul_(multiplier)
             grad[s:e] = probs.to(hidden.dtype) @ w
         del logits
-    return ce, pred, cand, grad
+    return ce, pred, cand, cand_lp, grad
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -75,16 +78,16 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, scale, chunk_rows, multiplier, softcap, top_k):  # type: ignore[override]
         need_grad = ctx.needs_input_grad[0]
-        ce, pred, cand, grad = _chunked_ce(hidden, weight, labels, scale, chunk_rows, need_grad, multiplier,
-                                           softcap, top_k)
+        ce, pred, cand, cand_lp, grad = _chunked_ce(hidden, weight, labels, scale, chunk_rows, need_grad, multiplier,
+                                                    softcap, top_k)
         loss = (ce * scale.to(ce.dtype)).sum()
-        ctx.mark_non_differentiable(ce, pred, cand)
+        ctx.mark_non_differentiable(ce, pred, cand, cand_lp)
         if need_grad:
             ctx.save_for_backward(grad)
-        return loss, ce, pred, cand
+        return loss, ce, pred, cand, cand_lp
 
     @staticmethod
-    def backward(ctx, g_loss, g_ce, g_pred, g_cand):  # type: ignore[override]
+    def backward(ctx, g_loss, g_ce, g_pred, g_cand, g_cand_lp):  # type: ignore[override]
         (grad,) = ctx.saved_tensors
         return grad * g_loss.to(grad.dtype), None, None, None, None, None, None, None
 
@@ -96,15 +99,15 @@ class _ChunkedLinearCERows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_rows, multiplier, softcap, top_k):  # type: ignore[override]
         need_grad = ctx.needs_input_grad[0]
-        ce, pred, cand, grad = _chunked_ce(hidden, weight, labels, None, chunk_rows, need_grad, multiplier, softcap,
-                                           top_k)
-        ctx.mark_non_differentiable(pred, cand)
+        ce, pred, cand, cand_lp, grad = _chunked_ce(hidden, weight, labels, None, chunk_rows, need_grad, multiplier,
+                                                    softcap, top_k)
+        ctx.mark_non_differentiable(pred, cand, cand_lp)
         if need_grad:
             ctx.save_for_backward(grad)
-        return ce, pred, cand
+        return ce, pred, cand, cand_lp
 
     @staticmethod
-    def backward(ctx, g_ce, g_pred, g_cand):  # type: ignore[override]
+    def backward(ctx, g_ce, g_pred, g_cand, g_cand_lp):  # type: ignore[override]
         (grad,) = ctx.saved_tensors
         # The product in fp32: the rows' weights span orders of magnitude, bf16 would round them twice.
         return (grad.float() * g_ce.float()[:, None]).to(grad.dtype), None, None, None, None, None, None
@@ -126,7 +129,7 @@ def chunked_linear_ce(
     weight total. Peak extra memory is one chunk of fp32 logits, never [N x V]. multiplier and softcap transform
     the logits as the target's config says (unary_logits in model.py); the defaults leave them as they are.
     """
-    loss, ce, pred, _ = chunked_linear_ce_topk(hidden, weight, labels, scale, 0, chunk_rows, multiplier=multiplier,
+    loss, ce, pred, _, _ = chunked_linear_ce_topk(hidden, weight, labels, scale, 0, chunk_rows, multiplier=multiplier,
                                                softcap=softcap)
     return loss, ce, pred
 
@@ -141,9 +144,10 @@ def chunked_linear_ce_topk(
     *,
     multiplier: float = 1.0,
     softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return `chunked_linear_ce`'s three values and the top_k token ids [N, top_k] of each row's logits (largest
-    first), found in the same pass over the lm_head."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return `chunked_linear_ce`'s three values, the top_k token ids [N, top_k] of each row's logits (largest
+    first) and their log-probabilities [N, top_k] (fp32 or wider, detached), found in the same pass over the
+    lm_head."""
     rows = chunk_rows or default_chunk_rows(weight.shape[0])
     return _ChunkedLinearCE.apply(hidden, weight.detach(), labels, scale.detach(), rows, float(multiplier),
                                   None if softcap is None else float(softcap), int(top_k))
@@ -158,9 +162,9 @@ def chunked_linear_ce_rows(
     top_k: int = 0,
     multiplier: float = 1.0,
     softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return (CE_i [N] (fp32 or wider), differentiable in hidden, argmax_i [N], top_k ids [N, top_k]) for logits
-    f(hidden [N, H] @ weight.T).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (CE_i [N] (fp32 or wider), differentiable in hidden, argmax_i [N], top_k ids [N, top_k], their
+    log-probabilities [N, top_k], detached) for logits f(hidden [N, H] @ weight.T).
 
     For losses whose row weights are computed from the CE itself (D-PACE): sum_i w_i * CE_i backpropagates
     through the rows' gradients formed in forward; like `chunked_linear_ce`, never more than one chunk of logits.

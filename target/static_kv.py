@@ -114,15 +114,22 @@ class StaticTarget:
                                                  scale=attn.scaling)
         return attn.o_proj(out.reshape(1, self.heads, t, d).transpose(1, 2).reshape(1, t, -1))
 
-    def forward(self, ids: Any, pos0: Any, width: int, *, features: bool = False) -> tuple[Any, Any]:
-        """Return (final-normed hidden states [t, H], feature-layer outputs [t, n*H] or None) of ids [t]."""
+    def forward(self, ids: Any, pos0: Any, width: int, *, features: bool = False, rope_pos: Any = None,
+                visible: Any = None) -> tuple[Any, Any]:
+        """Return (final-normed hidden states [t, H], feature-layer outputs [t, n*H] or None) of ids [t].
+
+        A tree of tokens (decode/tree.py): rope_pos [t] their positions in the sequence (committed length + depth)
+        while their keys and values still go to columns pos0..pos0+t-1, and visible [t, width] which columns each
+        one sees (the committed ones, its ancestors and itself)."""
         torch = self.torch
         t = ids.shape[0]
         positions = pos0 + torch.arange(t, device=self.device)
         x = self.inner.embed_tokens(ids[None])
-        cos, sin = self.inner.rotary_emb(x, positions[None])
+        cos, sin = self.inner.rotary_emb(x, (positions if rope_pos is None else rope_pos)[None])
         rep = self.heads // self.kv_heads
-        mask = (self.cols[:width][None, :] <= positions[:, None]).repeat(rep, 1)[None, None]  # [1, 1, rep*t, width]
+        if visible is None:
+            visible = self.cols[:width][None, :] <= positions[:, None]
+        mask = visible.repeat(rep, 1)[None, None]  # [1, 1, rep*t, width]
         if self.fp32_cuda:
             mask = ~mask  # the columns to hide, as _attend's masked_fill takes them: once, not once per layer
         last = len(self.inner.layers) - 1

@@ -157,7 +157,7 @@ def test_two_arrays_back_to_back_are_refused_naming_the_byte_for_every_stage(tmp
     with pytest.raises(InputError, match=match):
         read_prompts(path)  # generate --prompts
     from dflash.testing import build_tokenizer
-    from dflash.train.prompt_eval import prompt_ids
+    from dflash.decode.prompt_eval import prompt_ids
 
     with pytest.raises(InputError, match=match):
         prompt_ids(str(path), build_tokenizer("chatml"))  # eval --prompts

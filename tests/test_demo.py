@@ -93,7 +93,10 @@ def test_demo_tiny_budget_survives_a_kill_and_ends_in_the_table(tmp_path, reques
     assert 0 < table["tokens_trained_on"] < table["tokens_extracted"]
     assert table["speedup_wall_clock"] == pytest.approx(table["seconds_greedy"] / table["seconds_speculative"], rel=0.05)
     assert table["drafter_folder"] == str(out / "drafter") and table["summary"] == str(out / "summary.json")
-    for line in (r"tau \(measured", "tau_hat", r"speed-up in target forwards\s+\d", r"output identical to greedy\s+yes",
+    # The tree column: teacher-forced tree tau at the default budgets, greedy tree decoding of the held-out prompts.
+    assert list(table["tree_tau_hat"]) == ["8", "16", "32", "64"] and table["tree_tau_hat"]["8"] >= 1.0
+    assert table["trees"]["4"]["identical_prompts"] == 2 and table["trees"]["4"]["tau"] >= 1.0
+    for line in (r"tree decoding, N=4\s+tau \d", r"tree tau_hat \(held-out, N nodes\)\s+N=8 \d", r"tau \(measured", "tau_hat", r"speed-up in target forwards\s+\d", r"output identical to greedy\s+yes",
                  r"speed-up in wall clock\s+\d", r"per-slot accuracy", r"tau_hat on the decoded answers",
                  "drafter folder", "training curve"):
         assert re.search(line, done.stdout), line
@@ -131,6 +134,13 @@ def test_format_table_names_every_number():
     text = format_table(t)
     assert "1,234" in text and "5.0 MB" in text and "2.25 over 2 prompts" in text and "2.00x (40 greedy -> 20)" in text
     assert "no (1/2 prompts)" in text and "position weights" not in text  # a table from before the option
+    assert "tree" not in text  # ... and from before trees
+    trees = {"tree_tau_hat": {"8": 2.75}, "trees": {"8": {"tau": 2.5, "speedup_forwards": 2.2,
+                                                          "speedup_wall_clock": 1.1, "speedup_vs_path": 0.9,
+                                                          "identical_prompts": 2}}}
+    text = format_table({**t, **trees})
+    assert "N=8 2.75" in text and "tau 2.50, 2.20x fewer target forwards, 1.10x greedy wall clock (0.90x the path), " \
+                                  "identical 2/2" in text
     assert "7 steps, drafter 1 layers, block 4, dpace position weights)" in format_table(
         {**t, "position_weights": "dpace"})
 

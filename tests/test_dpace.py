@@ -1,5 +1,6 @@
 """D-PACE position weights: the paper's formula by hand, detached weights, the loss and its gradient against full
-logits, a global denominator (2 gloo ranks with uneven anchors == 1 rank accumulating both), options and resume."""
+logits, a global denominator (2 gloo ranks with uneven anchors == 1 rank accumulating both, also with the tree and
+acceptance terms), options and resume."""
 from __future__ import annotations
 
 import json
@@ -92,8 +93,15 @@ def _micro(dcfg, index: int):
                       seed=index)
 
 
+# Every objective whose loss is normalised globally: the position weights, and the tree and acceptance terms
+# (train/tree_loss.py) over them.
+OBJECTIVES = {"decay": dict(position_weights="decay"), "dpace": dict(position_weights="dpace"),
+              "decay+tree": dict(position_weights="decay", tree_loss=6),
+              "dpace+accept+tree": dict(position_weights="dpace", accept_loss=True, tree_loss=3)}
+
+
 def _learner_grads(target: str, micro: list[int], report=None) -> dict:
-    """Return {weighting: this rank's gradients and summed metrics} after Learner.backward over its micro-batches."""
+    """Return {objective: this rank's gradients and summed metrics} after Learner.backward over its micro-batches."""
     from dflash.drafter.model import DrafterConfig
     from dflash.facts import build_target_layer_ids
     from dflash.train.dist import Dist
@@ -103,12 +111,12 @@ def _learner_grads(target: str, micro: list[int], report=None) -> dict:
                                      draft_layers=1, block_size=5)
     dist = Dist.setup("cpu")
     out = {}
-    for weighting in ("decay", "dpace"):
+    for name, objective in OBJECTIVES.items():
         cfg = TrainConfig(store="unused", target=target, out="unused", gpus="cpu", dtype="float32", draft_layers=1,
-                          block_size=5, position_weights=weighting)
+                          block_size=5, **objective)
         learner = Learner(cfg, dcfg, dist)
         metrics = learner.backward([_micro(dcfg, i) for i in micro])
-        out[weighting] = {"grads": {n: p.grad.numpy().copy() for n, p in learner.model.named_parameters()},
+        out[name] = {"grads": {n: p.grad.numpy().copy() for n, p in learner.model.named_parameters()},
                           "metrics": metrics.to_tensor().numpy()}
     out["blocks"] = [_micro(dcfg, i).num_blocks for i in micro]
     dist.close()
@@ -122,13 +130,16 @@ def test_two_gloo_ranks_with_uneven_anchors_equal_one_rank_accumulating_both(tin
     ranks = launch(_learner_grads, [(str(tiny_qwen3), [0]), (str(tiny_qwen3), [1])], what="test rank",
                    dist_env=True)
     assert ranks[0]["blocks"][0] > 3 * ranks[1]["blocks"][0]  # uneven anchors per rank
-    for weighting in ("decay", "dpace"):
-        for name, g in one[weighting]["grads"].items():
+    for objective in OBJECTIVES:
+        for name, g in one[objective]["grads"].items():
             for r in ranks:
-                torch.testing.assert_close(torch.from_numpy(r[weighting]["grads"][name]), torch.from_numpy(g),
-                                           rtol=1e-6, atol=1e-9, msg=f"{weighting} {name}")
-        summed = torch.from_numpy(ranks[0][weighting]["metrics"] + ranks[1][weighting]["metrics"])
-        torch.testing.assert_close(summed, torch.from_numpy(one[weighting]["metrics"]))
+                torch.testing.assert_close(torch.from_numpy(r[objective]["grads"][name]), torch.from_numpy(g),
+                                           rtol=1e-6, atol=1e-9, msg=f"{objective} {name}")
+        summed = torch.from_numpy(ranks[0][objective]["metrics"] + ranks[1][objective]["metrics"])
+        torch.testing.assert_close(summed, torch.from_numpy(one[objective]["metrics"]))
+        # The metrics vector ends with the tree and acceptance sums: present exactly where the objective has them.
+        assert (one[objective]["metrics"][-2] != 0) == ("tree" in objective)
+        assert (one[objective]["metrics"][-1] != 0) == ("accept" in objective)
 
 
 def test_a_rank_local_denominator_would_change_the_gradient(tiny_qwen3) -> None:
@@ -202,21 +213,7 @@ def test_train_with_dpace_records_its_weights_and_resume_refuses_decay(store, ti
 def test_a_dflash2_selector_miss_never_moves_a_position_weight(tiny_qwen3) -> None:
     """D-PACE's weights come from the block CE alone: a selector that misses differently (other codebooks) changes
     the selector's term, never a position's weight (NeMo-Automodel #2572's review)."""
-    from dflash.drafter.model import DFlashDrafter, DrafterConfig
-    from dflash.facts import build_target_layer_ids
-
-    cfg = DrafterConfig.from_target(tiny_qwen3, target_layer_ids=build_target_layer_ids(8), mask_token_id=262,
-                                    draft_layers=1, block_size=5, drafter="dflash2", selector_top_k=4,
-                                    conv_group_size=16)
-    torch.manual_seed(0)
-    model = DFlashDrafter(cfg).double()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.3)
-    head = load_target_head(tiny_qwen3, dtype=torch.float64)
-    batch = pack_batch(_sequences(cfg.hidden_size, cfg.vocab_size), block_size=5, mask_token_id=262, max_anchors=8,
-                       seed=0)
+    model, head, batch = dflash2_batch(tiny_qwen3, top_k=4, std=0.3)
     a = predict(model, batch, head.embed, head.lm_head, position_weights="dpace")
     with torch.no_grad():
         model.candidate_selector.successor_codebook.normal_(0.0, 5.0)
@@ -226,3 +223,23 @@ def test_a_dflash2_selector_miss_never_moves_a_position_weight(tiny_qwen3) -> No
         a.selector["selector_ce_sum"] != pytest.approx(b.selector["selector_ce_sum"])
     assert a.slot_weight == b.slot_weight and a.weight_sum == b.weight_sum
     assert a.ce_sum == pytest.approx(b.ce_sum)  # the block CE is the backbone's, untouched by the selector
+
+
+def dflash2_batch(target, *, top_k: int, std: float, **shape):
+    """Return (a float64 DFlash 2 drafter of block 5 with weights N(0, std), the target's head, a packed batch)."""
+    from dflash.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash.facts import build_target_layer_ids
+
+    cfg = DrafterConfig.from_target(target, target_layer_ids=build_target_layer_ids(8), mask_token_id=262,
+                                    draft_layers=1, block_size=5, drafter="dflash2", selector_top_k=top_k,
+                                    conv_group_size=16, **shape)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, std)
+    head = load_target_head(target, dtype=torch.float64)
+    batch = pack_batch(_sequences(cfg.hidden_size, cfg.vocab_size), block_size=5, mask_token_id=262, max_anchors=8,
+                       seed=0)
+    return model, head, batch

@@ -146,7 +146,7 @@ def test_chunked_ce_equals_full_logits(chunk: int | None) -> None:
     assert torch.equal(pred, logits.argmax(-1))
     # The per-row form (D-PACE weighs rows by their own CE): the weights come after the forward, same gradient.
     h3 = h.detach().clone().requires_grad_(True)
-    ce3, pred3, _ = chunked_linear_ce_rows(h3, W, labels, chunk)
+    ce3, pred3, _, _ = chunked_linear_ce_rows(h3, W, labels, chunk)
     (ce3 * scale).sum().backward()
     torch.testing.assert_close(ce3.detach(), ce)
     torch.testing.assert_close(h3.grad, h2.grad)

@@ -319,14 +319,18 @@ def test_eval_on_a_prompt_file_measures_tau_by_decoding(tiny_qwen3, layer_ids, t
     rows = tmp_path / "rows.jsonl"
     # The CLI in this process (its own process would add only its start-up: torch and transformers imports).
     args = ["eval", "--drafter", str(tmp_path / "run"), "--prompts", str(prompts), "--target", str(tiny_qwen3),
-            "--decode", "12", "--out", str(rows), "--json"]
+            "--decode", "12", "--out", str(rows), "--tree-budget", "2,8", "--json"]
     code, out, err = dflash_main(capsys, *args)
     assert code == 0, err
     result = json.loads(out)
     assert result["prompts"] == 3 and result["identical"] and result["max_new_tokens"] == 12
+    # Tree decoding per budget, beside greedy and the path: the same tokens, forwards counted.
+    assert set(result["trees"]) == {"2", "8"}
+    assert all(t["identical"] and t["tau"] >= 1.0 and t["forwards"] >= 3 for t in result["trees"].values())
     assert result["tau"] >= 1.0 and result["tau_hat_same_anchors"] >= 1.0
     assert "1 bad prompt rows (empty_content)" in err
     assert len(rows.read_text().splitlines()) == 3
     code, out, err = dflash_main(capsys, *args[:-1])  # resumes: nothing left to decode
     assert code == 0 and "3 of 3 prompts already decoded" in err
     assert f"tau         {result['tau']:.3f}" in out
+    assert f"tree N=8    tau {result['trees']['8']['tau']:.3f}" in out

@@ -77,6 +77,8 @@ def flags(kw: dict) -> list[str]:
         flag = "--" + k.replace("_", "-")
         if v is True:
             out.append(flag)
+        elif isinstance(v, tuple):
+            out += [flag, ",".join(str(x) for x in v)]
         elif v is not False and v is not None:
             out += [flag, str(v)]
     return out
@@ -153,14 +155,16 @@ def test_loss_falls_and_the_run_folder_has_everything(store, tiny_qwen3, tmp_pat
     assert [e["epoch"] for e in read_metrics(run) if e.get("event") == "epoch_end"] == [0, 1, 2, 3]
 
 
-def test_sigkill_then_resume_takes_exactly_the_uninterrupted_steps(store, tiny_qwen3, tmp_path):
-    kw = dict(epochs=2, batch_tokens=256, save_every=2, keep=3)
+def sigkill_and_resume(store: str, target: Path, tmp_path: Path, kw: dict, first: int = 2, spare: int = 3) -> Path:
+    """Train kw uninterrupted (tmp_path/full), then as a `dflash train` process SIGKILLed after a random step in
+    first..(steps - spare), resumed in this process: assert the same losses step for step and the same last
+    checkpoint, byte for byte (fp32 on CPU); return the uninterrupted run's folder."""
     full = tmp_path / "full"
-    train(**opts(store, tiny_qwen3, full, **kw))
+    train(**opts(store, target, full, **kw))
     expected = losses(full)
     killed = tmp_path / "killed"
-    kill_at = random.Random(os.getpid()).randint(4, len(expected) - 8)
-    p = cli("train", *flags(opts(store, tiny_qwen3, killed, **kw)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_at = random.Random(os.getpid()).randint(first, max(first, len(expected) - spare))
+    p = cli("train", *flags(opts(store, target, killed, **kw)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and p.poll() is None:
         if len(losses(killed)) >= kill_at:
@@ -169,9 +173,8 @@ def test_sigkill_then_resume_takes_exactly_the_uninterrupted_steps(store, tiny_q
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    before = losses(killed)
-    assert kill_at <= len(before) < len(expected)
-    train(**opts(store, tiny_qwen3, killed, resume=True, **kw))
+    assert kill_at <= len(losses(killed)) < len(expected)
+    train(**opts(store, target, killed, resume=True, **kw))
     assert losses(killed) == expected  # bit-exact on CPU: same steps, same losses
     # Every published checkpoint keeps its event, the one resumed from included (`dflash run` waits on them).
     events = [[r["step"] for r in read_metrics(run) if r.get("event") == "checkpoint"] for run in (full, killed)]
@@ -179,6 +182,11 @@ def test_sigkill_then_resume_takes_exactly_the_uninterrupted_steps(store, tiny_q
     a = (full / "checkpoints" / f"step-{len(expected):06d}" / "model.safetensors").read_bytes()
     b = (killed / "checkpoints" / f"step-{len(expected):06d}" / "model.safetensors").read_bytes()
     assert a == b
+    return full
+
+
+def test_sigkill_then_resume_takes_exactly_the_uninterrupted_steps(store, tiny_qwen3, tmp_path):
+    sigkill_and_resume(store, tiny_qwen3, tmp_path, dict(epochs=2, batch_tokens=256, save_every=2, keep=3), 4, 8)
 
 
 @pytest.mark.slow

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
+from ..drafter.tree import TREE_BUDGETS
 from ..errors import CorruptShard, InputError, ManifestMismatch
 
 if TYPE_CHECKING:
@@ -48,9 +49,13 @@ def evaluate_shards(
     attention: str = "sdpa",
     device: "torch.device | str" = "cpu",
     skip_corrupt: bool = False,
+    tree_budgets: Sequence[int] = TREE_BUDGETS,
 ) -> dict[str, Any]:
     """Return teacher-forced metrics over every sample of the shards: loss, acc, slot_accuracy, accept_rate
-    (fraction of blocks whose first k drafts are all right, k = 1..B-1), tau_hat = 1 + mean streak, counts.
+    (fraction of blocks whose first k drafts are all right, k = 1..B-1), tau_hat = 1 + mean streak, counts, and
+    tree_tau: for each N of tree_budgets, 1 + the mean depth of the longest gold prefix inside the block's DDTree of
+    N nodes (drafter/tree.py; built from the drafter's own per-slot distributions, for DFlash 2 the unary logits),
+    and for DFlash 2 selector_tree_tau, the same in the selector's tree (selector_loss.selector_tree_depths).
 
     The loss is decay-weighted whatever the run trained with (loss_weights says so): D-PACE's weights follow the
     drafter's own confidences, so its loss would not compare across drafters; tau_hat and accuracy are unweighted.
@@ -67,6 +72,8 @@ def evaluate_shards(
     streak_hist = torch.zeros(B, dtype=torch.float64)  # blocks with streak exactly s, s = 0..B-1
     ce, wsum, tokens, skipped = 0.0, 0.0, 0, []
     sums: list[Any] = []  # each batch's Metrics, for a DFlash 2 drafter's selector terms
+    depth_sum = torch.zeros(len(tree_budgets), dtype=torch.float64)
+    sel_depth_sum = torch.zeros(len(tree_budgets), dtype=torch.float64)
     was_training = model.training
     model.eval()
 
@@ -76,7 +83,12 @@ def evaluate_shards(
                            max_blocks=max_blocks_for(batch_tokens), seed=seed * 1_000_003 + k).to(device)
         if batch.num_blocks == 0:
             return
-        p = predict(model, batch, head.embed, head.lm_head, attention=attention, capacity=capacity)
+        p = predict(model, batch, head.embed, head.lm_head, attention=attention, capacity=capacity,
+                    tree_budgets=tuple(tree_budgets))
+        if p.tree_depths is not None:
+            depth_sum.add_(p.tree_depths.double().sum(0).cpu())
+        if p.selector_tree_depths is not None:
+            sel_depth_sum.add_(p.selector_tree_depths.double().sum(0).cpu())
         correct, counted, c, w = p.correct, p.counted, p.ce_sum, p.weight_sum
         hit = (correct & counted).double().cpu()
         hits.add_(hit.sum(0))
@@ -124,6 +136,10 @@ def evaluate_shards(
         "slot_accuracy": [float(h / c) if c else float("nan") for h, c in zip(hits, counts)],
         "accept_rate": [float(at_least[s] / blocks) if blocks else float("nan") for s in range(1, B)],
         "tau_hat": 1.0 + (float((streak_hist * torch.arange(B)).sum()) / blocks if blocks else 0.0),
+        "tree_budgets": list(tree_budgets),
+        "tree_tau": [1.0 + (float(d) / blocks if blocks else 0.0) for d in depth_sum],
+        **({"selector_tree_tau": [1.0 + (float(d) / blocks if blocks else 0.0) for d in sel_depth_sum]}
+           if model.config.drafter == "dflash2" and tree_budgets else {}),
         "blocks": int(blocks),
         "tokens": tokens,
         "shards": [s for s in shard_ids if s not in skipped],
@@ -182,7 +198,8 @@ def run_eval(cfg: "EvalConfig") -> dict[str, Any]:
     head = load_target_head(head_dir, dtype=getattr(torch, dtype), device=device)
     with compute_context(device.type, dtype):
         out = evaluate_shards(model, head, store, ids, batch_tokens=batch_tokens, anchors=anchors, device=device,
-                              attention="flex" if device.type == "cuda" else "sdpa", skip_corrupt=cfg.skip_corrupt)
+                              attention="flex" if device.type == "cuda" else "sdpa", skip_corrupt=cfg.skip_corrupt,
+                              tree_budgets=cfg.tree_budgets)
     # The other committed shards are the ones trained on (unknown when every shard is scored).
     trained = sorted(committed - set(ids))
     out.update(drafter=str(folder), store=cfg.store, split=split, dtype=dtype,
@@ -207,6 +224,14 @@ def format_eval(result: dict[str, Any]) -> str:
         "accuracy   " + " ".join(f"{a:5.3f}" for a in result["slot_accuracy"]),
         "acceptance " + " ".join(f"{a:5.3f}" for a in result["accept_rate"]),
     ]
+    if result.get("tree_budgets"):
+        lines.append("tree tau   " + "   ".join(f"N={n} {t:.3f}" for n, t in zip(result["tree_budgets"],
+                                                                               result["tree_tau"]))
+                     + " (DDTree of N nodes, teacher-forced)")
+    if result.get("selector_tree_tau"):
+        lines.append("selector   " + "   ".join(f"N={n} {t:.3f}" for n, t in zip(result["tree_budgets"],
+                                                                               result["selector_tree_tau"]))
+                     + " (DFlash 2's selector tree of N nodes)")
     if result["skipped_corrupt"]:
         lines.append(f"skipped    corrupt shards {result['skipped_corrupt']}")
     return "\n".join(lines)

@@ -83,6 +83,12 @@ class Learner:
 
         return compute_context(self.dist.device.type, self.cfg.dtype)
 
+    def objective_options(self, **extra: Any) -> dict[str, Any]:
+        """Return objective.predict's options for this run's training steps."""
+        return dict(attention=self.attention, capacity=self.capacity, position_weights=self.cfg.position_weights,
+                    dpace_alpha=self.cfg.dpace_alpha, chunk_rows=self.options.chunk_rows,
+                    tree_loss=self.cfg.tree_loss or 0, accept_loss=self.cfg.accept_loss, **extra)
+
     def step(self, micro: list[Any]) -> tuple["Metrics | None", float, float]:
         """Run one optimizer step over this rank's micro-batches; return (summed Metrics or None, grad norm, lr)."""
         import torch
@@ -114,8 +120,7 @@ class Learner:
         dev, weighting = self.dist.device, self.cfg.position_weights
         local = [loss_denominator(b.weights, weighting) if b is not None else 0.0 for b in micro]
         total = float(self.dist.all_reduce(torch.tensor([sum(local)], dtype=torch.float64, device=dev))[0])
-        options = dict(attention=self.attention, capacity=self.capacity, position_weights=weighting,
-                       dpace_alpha=self.cfg.dpace_alpha, chunk_rows=self.options.chunk_rows)
+        options = self.objective_options()
         metrics = None
         for i, (b, d) in enumerate(zip(micro, local)):
             sync = i == len(micro) - 1 or self.dist.world == 1
@@ -144,8 +149,7 @@ class Learner:
         batches = [b for b in micro if b is not None]
         local = [_denominator(b.weights, weighting) for b in batches]
         total = self.dist.all_reduce(sum(local, torch.zeros((), dtype=torch.float64, device=dev)).reshape(1))[0]
-        options = dict(attention=self.attention, capacity=self.capacity, position_weights=weighting,
-                       dpace_alpha=self.cfg.dpace_alpha, chunk_rows=self.options.chunk_rows, host_sync=False)
+        options = self.objective_options(host_sync=False)
         sums = []
         for i, (b, d) in enumerate(zip(batches, local)):
             sync = i == len(batches) - 1 or self.dist.world == 1

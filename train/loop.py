@@ -367,9 +367,11 @@ class Trainer:
             with learner.autocast():
                 out = evaluate_shards(learner.model, learner.head, self.store, ready, batch_tokens=self.cfg.batch_tokens,
                                       anchors=self.cfg.anchors, seed=self.cfg.seed, attention=learner.attention,
-                                      device=self.dist.device, skip_corrupt=self.cfg.skip_corrupt)
+                                      device=self.dist.device, skip_corrupt=self.cfg.skip_corrupt,
+                                      tree_budgets=self.cfg.tree_budgets)
             self.runlog.validation({"split": "val", "step": self.step, "epoch": epoch, **{k: out[k] for k in (
-                "loss", "loss_weights", "acc", "tau_hat", "slot_accuracy", "accept_rate", "blocks", "tokens", "shards")}})
+                "loss", "loss_weights", "acc", "tau_hat", "slot_accuracy", "accept_rate", "blocks", "tokens", "shards",
+                "tree_budgets", "tree_tau", "selector_tree_tau") if k in out}})
         self.dist.barrier()
 
     def log_window(self, epoch: int, gnorm: float, lr: float) -> None:
@@ -406,6 +408,7 @@ class Trainer:
                 "prefetch_depth": self.stream.depth() if self.stream is not None else 0,
                 "eta_s": rate * max(0, self.learner.total - self.step), "blocks": m.blocks,
                 **m.selector_dict(),  # DFlash 2's loss terms and selector metrics; none for DFlash 1
+                **m.objective_dict(),  # --tree-loss and --accept-loss terms; none when off
                 # This rank's peak device memory so far (what a larger drafter or batch has to fit in).
                 "peak_mem_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30
                 if torch.device(dist.device).type == "cuda" else None,

@@ -64,6 +64,9 @@ def truncate_metrics(run: str | os.PathLike, step: int) -> int:
     # does not publish it again).
     keep = [r for r in records if int(r.get("step", 0)) < step
             or (r.get("step") == step and (r.get("split") == "train" or r.get("event") == "checkpoint"))]
+    if step and not any(r.get("event") == "checkpoint" and r.get("step") == step for r in keep):
+        # A run killed between publishing this checkpoint and logging that it did: it is published (we resume it).
+        keep.append({"event": "checkpoint", "step": step})
     write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
     return len(records) - len(keep)
 
@@ -116,8 +119,9 @@ class RunLog:
         if self.tb is not None:
             for key in ("loss", "acc", "tau_hat"):
                 self.tb.add_scalar(f"val/{key}", record[key], record["step"])
-        log.info("validation at step %d: loss %.4f acc %.3f tau_hat %.3f on %d blocks", record["step"],
-                 record["loss"], record["acc"], record["tau_hat"], record["blocks"])
+        trees = "".join(f" tree{n} {t:.3f}" for n, t in zip(record.get("tree_budgets", ()), record.get("tree_tau", ())))
+        log.info("validation at step %d: loss %.4f acc %.3f tau_hat %.3f%s on %d blocks", record["step"],
+                 record["loss"], record["acc"], record["tau_hat"], trees, record["blocks"])
 
     def waiting(self, text: str) -> None:
         """Show that training has caught up with the store and waits for shards."""

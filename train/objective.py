@@ -18,7 +18,8 @@ from ..facts import decay_gamma
 from ..drafter.batch import PackedBatch
 from ..drafter.linear_ce import chunked_linear_ce_rows, chunked_linear_ce_topk
 from ..drafter.model import block_embeddings
-from .selector_loss import selector_loss
+from .selector_loss import selector_loss, selector_tree_depths
+from .tree_loss import tree_terms
 
 __all__ = [
     "sample_anchors",
@@ -221,6 +222,9 @@ class Metrics:
     selector_covered: int = 0
     selector_count: int = 0
     selector_streak_sum: int = 0
+    # --tree-loss and --accept-loss (train/tree_loss.py): their weighted sums over the same denominator as ce_sum.
+    tree_sum: float = 0.0
+    accept_sum: float = 0.0
 
     @property
     def loss(self) -> float:
@@ -248,17 +252,17 @@ class Metrics:
         weights = self.slot_weight or [0.0] * len(self.slot_count)
         vals = [self.ce_sum, self.weight_sum, self.streak_sum, self.blocks, *self.slot_correct, *self.slot_count,
                 *weights, self.selector_ce_sum, self.selector_correct, self.selector_covered, self.selector_count,
-                self.selector_streak_sum]
+                self.selector_streak_sum, self.tree_sum, self.accept_sum]
         return torch.tensor(vals, dtype=torch.float64, device=device)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "Metrics":
         """Return the Metrics of a vector made by to_tensor (possibly summed across ranks)."""
         v = t.double().cpu().tolist()
-        n = (len(v) - 9) // 3
-        sel = v[4 + 3 * n:]
+        n = (len(v) - 11) // 3
+        sel = v[4 + 3 * n:-2]
         return cls(v[0], v[1], [round(x) for x in v[4:4 + n]], [round(x) for x in v[4 + n:4 + 2 * n]], round(v[2]),
-                   round(v[3]), v[4 + 2 * n:4 + 3 * n], sel[0], *(round(x) for x in sel[1:]))
+                   round(v[3]), v[4 + 2 * n:4 + 3 * n], sel[0], *(round(x) for x in sel[1:]), v[-2], v[-1])
 
     def __add__(self, other: "Metrics") -> "Metrics":
         return Metrics.from_tensor(self.to_tensor() + other.to_tensor())
@@ -266,7 +270,18 @@ class Metrics:
     def as_dict(self) -> dict[str, Any]:
         """Return the rates and counts as JSON-able values for metrics.jsonl."""
         return {"loss": self.loss, "tau_hat": self.tau_hat, "slot_accuracy": self.slot_accuracy,
-                "blocks": self.blocks, "counted_slots": int(sum(self.slot_count)), **self.selector_dict()}
+                "blocks": self.blocks, "counted_slots": int(sum(self.slot_count)), **self.selector_dict(),
+                **self.objective_dict()}
+
+    def objective_dict(self) -> dict[str, Any]:
+        """Return the --tree-loss and --accept-loss terms that ran (none when off): loss_tree and loss_accept, their
+        sums over the block loss's denominator (the objective adds them to `loss`)."""
+        out = {}
+        if self.tree_sum:
+            out["loss_tree"] = self.tree_sum / self.weight_sum if self.weight_sum else 0.0
+        if self.accept_sum:
+            out["loss_accept"] = self.accept_sum / self.weight_sum if self.weight_sum else 0.0
+        return out
 
     def selector_dict(self) -> dict[str, Any]:
         """Return DFlash 2's terms (none for a DFlash 1 drafter): loss_block (= loss, the drafter's own CE),
@@ -308,6 +323,9 @@ class Prediction:
     weight_sum: float
     slot_weight: list[float]
     selector: dict[str, Any] | None = None  # DFlash 2: selector_loss's sums (see Metrics)
+    objective: dict[str, float] | None = None  # tree_sum and accept_sum (see Metrics)
+    tree_depths: torch.Tensor | None = None  # [A, budgets]: the gold prefix's depth in each tree (tree_budgets)
+    selector_tree_depths: torch.Tensor | None = None  # the same in DFlash 2's selector tree
     sums: torch.Tensor | None = None  # predict(host_sync=False): the Metrics vector, still on the device
 
     def metrics(self) -> Metrics:
@@ -317,7 +335,7 @@ class Prediction:
         slot_correct, slot_count, streak = block_metrics(self.correct, self.counted)
         return Metrics(ce_sum=self.ce_sum, weight_sum=self.weight_sum, slot_correct=slot_correct,
                        slot_count=slot_count, streak_sum=streak, blocks=self.correct.shape[0],
-                       slot_weight=self.slot_weight, **(self.selector or {}))
+                       slot_weight=self.slot_weight, **(self.selector or {}), **(self.objective or {}))
 
 
 def predict(
@@ -332,6 +350,9 @@ def predict(
     position_weights: str = "decay",
     dpace_alpha: float = 0.5,
     host_sync: bool = True,
+    tree_loss: int = 0,
+    accept_loss: bool = False,
+    tree_budgets: Sequence[int] = (),
 ) -> Prediction:
     """Return the Prediction of the drafter on one packed batch, its loss = sum_k w_k CE_k / loss_denominator.
 
@@ -341,6 +362,8 @@ def predict(
     batch's weights, "dpace" D-PACE weights of this forward's CE (dpace_weights) on the batch's counted slots.
     host_sync False: the metric sums stay on the device (Prediction.sums; the float fields are nan and
     `selector` None), so the forward waits on the device only for the counted rows, not for a dozen small sums.
+    tree_loss N > 0 and accept_loss add train/tree_loss.py's terms (over the same denominator); tree_budgets gives
+    Prediction.tree_depths, the metric. Either takes each row's CE differentiable (D-PACE's path).
     """
     from ..drafter.attention import make_attend
 
@@ -358,31 +381,47 @@ def predict(
     h = hidden.view(-1, B, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1]).index_select(0, rows)
     labels = batch.labels[:, 1:].reshape(-1).index_select(0, rows)
     logit_scales = dict(multiplier=cfg.output_multiplier, softcap=cfg.final_logit_softcapping)
-    top_k = cfg.selector_top_k if cfg.drafter == "dflash2" else 0
-    if position_weights == "dpace":
-        ce, pred, top = chunked_linear_ce_rows(h, lm_head_weight, labels, chunk_rows, top_k=top_k, **logit_scales)
-        grid = torch.zeros(counted.numel(), dtype=ce.dtype, device=ce.device)
-        grid[rows] = ce.detach()
-        # From the block CE alone: a selector top-K miss never moves a later position's weight.
-        row_w = dpace_weights(grid.view_as(counted), counted, dpace_alpha).reshape(-1).index_select(0, rows)
-        if host_sync:
-            denominator = torch.tensor(loss_denominator(batch.weights, "dpace"), dtype=ce.dtype, device=ce.device)
-        else:  # the same count, formed on the device (a host value would be copied up and wait for the device)
-            denominator = (w > 0).any(dim=1).sum().to(ce.dtype)
+    sel_k = cfg.selector_top_k if cfg.drafter == "dflash2" else 0
+    tree_k = max([tree_loss, *tree_budgets]) if tree_loss or tree_budgets else 0
+    top_k = min(max(sel_k, tree_k), lm_head_weight.shape[0])  # the selector takes its K of them, largest first
+    if position_weights == "dpace" or tree_loss or accept_loss:
+        ce, pred, top, top_lp = chunked_linear_ce_rows(h, lm_head_weight, labels, chunk_rows, top_k=top_k,
+                                                       **logit_scales)
+        if position_weights == "dpace":
+            grid = torch.zeros(counted.numel(), dtype=ce.dtype, device=ce.device)
+            grid[rows] = ce.detach()
+            # From the block CE alone: a selector top-K miss never moves a later position's weight.
+            row_w = dpace_weights(grid.view_as(counted), counted, dpace_alpha).reshape(-1).index_select(0, rows)
+            if host_sync:
+                denominator = torch.tensor(loss_denominator(batch.weights, "dpace"), dtype=ce.dtype, device=ce.device)
+            else:  # the same count, formed on the device (a host value would be copied up and wait for the device)
+                denominator = (w > 0).any(dim=1).sum().to(ce.dtype)
+        else:
+            row_w, denominator = w.reshape(-1).index_select(0, rows), w.sum()
         loss = (ce * row_w).sum() / denominator.clamp(min=1e-12)
     else:
         row_w = w.reshape(-1).index_select(0, rows)
         denominator = w.sum()
         scale = row_w / denominator.clamp(min=1e-12)
-        loss, ce, pred, top = chunked_linear_ce_topk(h, lm_head_weight, labels, scale, top_k, chunk_rows,
-                                                     **logit_scales)
-    selector = None
+        loss, ce, pred, top, top_lp = chunked_linear_ce_topk(h, lm_head_weight, labels, scale, top_k, chunk_rows,
+                                                             **logit_scales)
+    terms = None
+    if tree_k or accept_loss:
+        terms = tree_terms(ce, top_lp, rows, counted, row_w, tree_budget=tree_loss, accept=accept_loss,
+                           budgets=tree_budgets)
+        loss = loss + (terms.tree_sum + terms.accept_sum) / denominator.clamp(min=1e-12)
+    selector, sel_depths = None, None
     if cfg.drafter == "dflash2":
+        top = top[:, :sel_k]
         scale = row_w.detach() / denominator.clamp(min=1e-12)  # the block loss's own position weights
         prev = batch.labels[:, :-1].reshape(-1).index_select(0, rows)  # teacher forcing: the gold previous token
         sel = selector_loss(_inner(model).candidate_selector, cfg, h, lm_head_weight, top, labels, prev, scale)
         loss = loss + sel.loss
         selector = _selector_sums(sel, row_w.detach(), rows, counted) if host_sync else sel
+        if tree_budgets:
+            sel_depths = selector_tree_depths(_inner(model).candidate_selector, cfg, h.detach(), lm_head_weight, top,
+                                              rows, counted, batch.block_ids[:, 0], batch.labels[:, 1:],
+                                              tree_budgets)
     if rows.numel() == 0:
         loss = hidden.sum() * 0.0  # keeps the graph (DDP needs every parameter used) with a zero gradient
     correct = torch.zeros_like(counted).reshape(-1)
@@ -391,12 +430,16 @@ def predict(
     slot_w[rows] = row_w.detach().double()
     if not host_sync:
         sums = _device_sums(correct.view_as(counted), counted, (ce.detach() * row_w).sum(), denominator,
-                            slot_w.view_as(counted).sum(0), selector, row_w.detach(), rows)
+                            slot_w.view_as(counted).sum(0), selector, row_w.detach(), rows, terms)
         return Prediction(loss=loss, correct=correct.view_as(counted), counted=counted, ce_sum=float("nan"),
                           weight_sum=float("nan"), slot_weight=[], sums=sums)
+    objective = None if terms is None else dict(tree_sum=float(terms.tree_sum.detach()),
+                                                 accept_sum=float(terms.accept_sum.detach()))
     return Prediction(loss=loss, correct=correct.view_as(counted), counted=counted,
                       ce_sum=float((ce.detach() * row_w).sum()), weight_sum=float(denominator),
-                      slot_weight=slot_w.view_as(counted).sum(0).tolist(), selector=selector)
+                      slot_weight=slot_w.view_as(counted).sum(0).tolist(), selector=selector, objective=objective,
+                      tree_depths=None if terms is None else terms.depths,
+                      selector_tree_depths=sel_depths)
 
 
 def _inner(model: torch.nn.Module) -> torch.nn.Module:
@@ -416,7 +459,8 @@ def _selector_sums(sel: Any, row_w: torch.Tensor, rows: torch.Tensor, counted: t
 
 
 def _device_sums(correct: torch.Tensor, counted: torch.Tensor, ce_sum: torch.Tensor, weight_sum: torch.Tensor,
-                 slot_weight: torch.Tensor, sel: Any, row_w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                 slot_weight: torch.Tensor, sel: Any, row_w: torch.Tensor, rows: torch.Tensor,
+                 terms: Any = None) -> torch.Tensor:
     """Return Metrics.to_tensor's vector of one batch computed on the device: the same reductions as the host path
     (block_metrics, _selector_sums), each cast to float64 only after it is formed, so the numbers are equal."""
     hit = correct & counted
@@ -434,6 +478,10 @@ def _device_sums(correct: torch.Tensor, counted: torch.Tensor, ce_sum: torch.Ten
                   torch.cumprod(sel_hit.int(), dim=1).sum().double()[None]]
     else:
         parts.append(torch.zeros(5, dtype=torch.float64, device=counted.device))
+    if terms is not None:
+        parts += [terms.tree_sum.detach().double().reshape(1), terms.accept_sum.detach().double().reshape(1)]
+    else:
+        parts.append(torch.zeros(2, dtype=torch.float64, device=counted.device))
     return torch.cat(parts)
 
 

@@ -19,6 +19,7 @@ right picks is exactly the run a self-conditioned path would accept, so its stre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch.nn import functional as F
@@ -27,7 +28,7 @@ from ..drafter.linear_ce import candidate_logits
 from ..drafter.model import DrafterConfig, unary_logits
 from ..drafter.selector import CandidateSelector
 
-__all__ = ["SELECTOR_WEIGHT", "SelectorTerms", "training_candidates", "selector_loss"]
+__all__ = ["SELECTOR_WEIGHT", "SelectorTerms", "training_candidates", "selector_loss", "selector_tree_depths"]
 
 SELECTOR_WEIGHT = 1.0
 
@@ -76,3 +77,53 @@ def selector_loss(selector: CandidateSelector, cfg: DrafterConfig, hidden: torch
     with torch.no_grad():
         pick = candidates.gather(1, scores[:, :K].argmax(-1, keepdim=True))[:, 0]
     return SelectorTerms(loss=loss, ce=ce.detach(), correct=pick == labels, covered=covered)
+
+
+def selector_tree_depths(selector: CandidateSelector, cfg: DrafterConfig, hidden: torch.Tensor,
+                         lm_head_weight: torch.Tensor, candidates: torch.Tensor, rows: torch.Tensor,
+                         counted: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
+                         budgets: Sequence[int], blocks_per_chunk: int = 512) -> torch.Tensor:
+    """Return [A, len(budgets)] long: the depth of the gold prefix inside the selector's tree of N nodes (SGLang's
+    DFlash 2 beam tree, #36196), teacher-forced: a node's children are its slot's top-K candidates, scored by the
+    log-softmax over those K of the selector's scores given the node's own token (the anchor before slot 1); a
+    prefix scores the sum along it; the tree is the N best prefixes. hidden [n, H] and candidates [n, K] (largest
+    logit first) are the counted rows `rows` of the [A, D] layout `counted`; anchors [A] the blocks' anchor tokens,
+    labels [A, D] the gold tokens. The gold prefix ends where a slot does not count or its gold token is not among
+    the slot's K candidates."""
+    from ..drafter.tree import chain_best_scores
+
+    A, D = counted.shape
+    K = candidates.shape[1]
+    out = torch.zeros(A, len(budgets), dtype=torch.long, device=counted.device)
+    with torch.no_grad():
+        unary = unary_logits(cfg, candidate_logits(hidden, lm_head_weight, candidates).float())
+        state = selector.hidden_projection(hidden).float()
+        grid = {"unary": torch.full((A * D, K), float("-inf"), device=hidden.device),
+                "state": torch.zeros(A * D, state.shape[1], device=hidden.device),
+                "cand": torch.zeros(A * D, K, dtype=torch.long, device=hidden.device)}
+        for name, value in (("unary", unary), ("state", state), ("cand", candidates)):
+            grid[name][rows] = value.to(grid[name].dtype)
+        prefix = torch.cumprod(counted.to(torch.int32), 1).bool()
+        P, S = selector.predecessor_codebook.float(), selector.successor_codebook.float()
+        for a0 in range(0, A, blocks_per_chunk):
+            a1 = min(A, a0 + blocks_per_chunk)
+            un, st, ca = (grid[k].view(A, D, -1)[a0:a1] for k in ("unary", "state", "cand"))
+            succ = F.embedding(ca, S)  # [a, D, K, r]
+            first = un[:, 0] + torch.einsum("ar,akr->ak", F.embedding(anchors[a0:a1], P) * st[:, 0], succ[:, 0])
+            before = F.embedding(ca[:, :-1], P) * st[:, 1:, None]  # [a, D-1, K, r]: each candidate of the slot before
+            trans = un[:, 1:, None, :] + torch.einsum("adjr,adkr->adjk", before, succ[:, 1:])
+            live = prefix[a0:a1]
+            first = torch.where(live[:, :1], first.log_softmax(-1), torch.full_like(first, float("-inf")))
+            trans = torch.where(live[:, 1:, None, None], trans.log_softmax(-1), torch.full_like(trans, float("-inf")))
+            best = chain_best_scores(first, trans, max(budgets))
+            hit = ca == labels[a0:a1, :, None]
+            covered = hit.any(-1) & live
+            g = hit.int().argmax(-1)  # the gold token's candidate index at each slot
+            gold = torch.cat([first.gather(1, g[:, :1]),
+                              trans.gather(3, g[:, 1:, None, None].expand(-1, -1, K, 1))[..., 0]
+                                   .gather(2, g[:, :-1, None])[..., 0]], 1)
+            s = torch.cumsum(torch.where(torch.cumprod(covered.int(), 1).bool(), gold,
+                                         torch.full_like(gold, float("-inf"))), 1)
+            for j, n in enumerate(budgets):
+                out[a0:a1, j] = ((s >= best[:, n - 1:n]) & torch.isfinite(s)).sum(1)
+    return out

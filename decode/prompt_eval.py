@@ -21,7 +21,7 @@ from ..errors import InputError
 if TYPE_CHECKING:
     from ..config import EvalConfig
 
-__all__ = ["prompt_ids", "run_prompt_eval", "format_prompt_eval"]
+__all__ = ["prompt_ids", "run_prompt_eval", "format_prompt_eval", "tree_line"]
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +59,20 @@ def _stop_ids(target: Any) -> list[int]:
     return sorted({int(t) for t in (eos if isinstance(eos, list) else [eos]) if t is not None})
 
 
-def run_prompt_eval(cfg: "EvalConfig") -> dict[str, Any]:
-    """Return the summary of speculative against greedy decoding of the prompts (decode.speculative.summarize's keys,
-    plus the drafter, prompts file and tokens decoded per prompt)."""
+def run_prompt_eval(cfg: "EvalConfig", folder: Path, record: dict[str, Any] | None) -> dict[str, Any]:
+    """Return the summary of speculative against greedy decoding of the prompts (speculative.summarize's keys,
+    plus the drafter, prompts file and tokens decoded per prompt).
+
+    folder, record: the drafter's folder and its run record (or None), as train.checkpoint.resolve_drafter gives
+    them for cfg.drafter: the caller resolves, since decode/ knows no checkpoint format."""
     import torch
     from transformers import AutoTokenizer
 
-    from ..decode.speculative import compare_one, drafter_proposer, load_target, static_decoder, summarize
+    from .speculative import compare_one, drafter_proposer, load_target, static_decoder, summarize
+    from .tree import tree_decoders
     from ..runtime import Progress
-    from .checkpoint import open_drafter, resolve_drafter
+    from ..drafter.files import load_drafter
 
-    folder, record = resolve_drafter(cfg.drafter)
     target_dir = cfg.target or (record or {}).get("config", {}).get("target")
     if not target_dir:
         raise InputError(f"--drafter {cfg.drafter}: an export does not say which target it drafts for; pass "
@@ -85,9 +88,10 @@ def run_prompt_eval(cfg: "EvalConfig") -> dict[str, Any]:
         log.info("eval: %d of %d prompts already decoded in %s", len(rows), len(prompts), out)
     # float32 both ways: greedy ties then break the same in a one-token step and in a block verification.
     target = load_target(target_dir, device=device, dtype=torch.float32)
-    drafter = open_drafter(folder, device=device, dtype=torch.float32)
+    drafter = load_drafter(folder, device=device, dtype=torch.float32).eval()
     propose, stops = drafter_proposer(drafter, target), _stop_ids(target)
     decoder = static_decoder(target, drafter, prompts[len(rows):], max_new_tokens=cfg.decode)
+    trees = tree_decoders(target, drafter, cfg.tree_budget or (), prompts[len(rows):], max_new_tokens=cfg.decode)
     progress = Progress(len(prompts), unit="prompt", desc="eval decode", initial=len(rows), every_s=30.0,
                         logger=log)
     t0 = time.perf_counter()
@@ -95,7 +99,7 @@ def run_prompt_eval(cfg: "EvalConfig") -> dict[str, Any]:
         for ids in prompts[len(rows):]:
             row = compare_one(target, propose, ids, block_size=drafter.config.block_size,
                               layer_ids=drafter.config.target_layer_ids, max_new_tokens=cfg.decode,
-                              stop_ids=stops, parity=True, decoder=decoder)
+                              stop_ids=stops, parity=True, decoder=decoder, trees=trees)
             rows.append(row)
             if out is not None:
                 append_lines(out, [json.dumps(row)])
@@ -129,4 +133,12 @@ def format_prompt_eval(r: dict[str, Any]) -> str:
         f"identical   {'yes' if r['identical'] else 'NO'} ({r['identical_prompts']}/{r['prompts']} prompts equal "
         "plain greedy)",
     ]
+    lines += [tree_line(n, t) for n, t in (r.get("trees") or {}).items()]
     return "\n".join(lines)
+
+
+def tree_line(budget: str, t: dict[str, Any]) -> str:
+    """Return one line of a tree budget's results (summarize's trees[budget])."""
+    return (f"tree N={budget:<4} tau {t['tau']:.3f}, forwards {t['forwards']} ({t['speedup_forwards']:.2f}x fewer "
+            f"than greedy), {t['seconds']:.1f} s ({t['speedup_wall_clock']:.2f}x greedy, {t['speedup_vs_path']:.2f}x "
+            f"the path), {'identical to greedy' if t['identical'] else 'NOT identical to greedy'}")

@@ -1,0 +1,110 @@
+"""Greedy DDTree decoding: the ancestor-only mask gives each node its path's own logits, decoding equals plain greedy
+and a walk done prefix by prefix with separate forwards, and the refusals (recurrent layers, temperature > 0)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash.decode.speculative import drafter_proposer, greedy_decode, load_target
+from dflash.decode.tree import TreeDecoder, ancestor_mask, tree_unsupported
+from dflash.drafter.tree import build_tree
+from dflash.errors import InputError
+from dflash.facts import build_target_layer_ids
+from dflash.target.static_kv import StaticTarget
+from test_speculative import FIT_PROMPTS, _fitted_drafter
+
+
+@pytest.fixture(scope="module")
+def target64(tiny_qwen3):
+    return load_target(tiny_qwen3, dtype=torch.float64)  # float64: no near-tie flips between the two walks
+
+
+@pytest.fixture(scope="module")
+def fitted64(tiny_qwen3, target64):
+    layer_ids = build_target_layer_ids(target64.config.num_hidden_layers)
+    target = load_target(tiny_qwen3)
+    answers = [greedy_decode(target, p, max_new_tokens=40).tokens for p in FIT_PROMPTS]
+    return _fitted_drafter(tiny_qwen3, target, layer_ids, answers).double().eval()
+
+
+def test_the_ancestor_only_mask_gives_every_node_the_logits_of_its_path_alone(target64) -> None:
+    prompt, anchor = [5, 17, 99, 3, 8], 42
+    parents = [-1, 0, 0, 1, -1, 4, 2, 6]
+    tokens = [7, 250, 11, 60, 33, 200, 1, 9]
+    depths = [1, 2, 2, 3, 1, 2, 3, 4]
+    st = StaticTarget(target64, max_len=32)
+    st.forward(torch.tensor(prompt), torch.zeros(1, dtype=torch.long), len(prompt))
+    P, n = len(prompt), len(parents)
+    visible = torch.zeros(1 + n, P + 1 + n, dtype=torch.bool)
+    visible[:, :P + 1] = True
+    visible[1:, P + 1:] = ancestor_mask(parents)
+    h, _ = st.forward(torch.tensor([anchor] + tokens), torch.tensor([P]), P + 1 + n,
+                      rope_pos=P + torch.tensor([0] + depths), visible=visible)
+    got = target64.lm_head(h)
+    for i in range(-1, n):
+        path, at = [], i
+        while at >= 0:
+            path.append(tokens[at])
+            at = parents[at]
+        alone = target64(input_ids=torch.tensor([prompt + [anchor] + path[::-1]])).logits[0, -1]
+        torch.testing.assert_close(got[i + 1], alone, msg=f"node {i}")
+
+
+def _walk_with_separate_forwards(target, drafter, prompt, *, budget, max_new_tokens) -> tuple[list[int], list[int]]:
+    """Return (tokens, accepted) of a tree walk where every node's target token comes from its own forward over the
+    whole sequence (no cache, no tree mask) and the drafter's context from a forward over what is committed."""
+    layer_ids = drafter.config.target_layer_ids
+    propose = drafter_proposer(drafter, target, logits=True)
+
+    def argmax_after(seq):
+        return int(target(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
+
+    tokens, accepted = [argmax_after(prompt)], []
+    while len(tokens) < max_new_tokens:
+        seq = prompt + tokens
+        hs = target(input_ids=torch.tensor([seq[:-1]]), output_hidden_states=True).hidden_states
+        context = torch.cat([hs[i + 1][0] for i in layer_ids], -1)
+        logp = torch.log_softmax(propose(context, tokens[-1], len(seq) - 1).float(), -1)
+        top = torch.topk(logp, budget, dim=-1)
+        tree = build_tree(top.values, top.indices, budget)
+        at, new = -1, []
+        while True:
+            want = argmax_after(seq + new)
+            child = [i for i in range(len(tree)) if tree.parents[i] == at and tree.tokens[i] == want]
+            if not child:
+                new.append(want)
+                break
+            at = child[0]
+            new.append(want)
+        new = new[: max_new_tokens - len(tokens)]
+        accepted.append(len(new))
+        tokens += new
+    return tokens, accepted
+
+
+def test_tree_decoding_equals_greedy_and_a_walk_with_separate_forwards(target64, fitted64) -> None:
+    seen_deep = False
+    for budget in (1, 12):
+        decoder = TreeDecoder(target64, fitted64, budget=budget, max_len=64)  # one decoder, every prompt
+        for prompt in FIT_PROMPTS:
+            out = decoder.decode(prompt, max_new_tokens=20)
+            assert out.tokens == greedy_decode(target64, prompt, max_new_tokens=20).tokens, (budget, prompt)
+            tokens, accepted = _walk_with_separate_forwards(target64, fitted64, prompt, budget=budget,
+                                                            max_new_tokens=20)
+            assert (out.tokens, out.accepted) == (tokens, accepted), (budget, prompt)
+            assert out.forwards == 1 + len(out.accepted) and len(out.tokens) == 1 + sum(out.accepted)
+            seen_deep |= max(out.accepted) > 2
+    assert seen_deep  # trees accepted paths of several drafts: the walk is really compared
+
+
+def test_a_recurrent_target_and_sampling_are_refused_in_one_line(target64, fitted64) -> None:
+    hybrid = SimpleNamespace(model_type="qwen3_5", layer_types=["linear_attention"] * 3 + ["full_attention"])
+    assert "recurrent" in tree_unsupported(hybrid)
+    with pytest.raises(InputError, match=r"^--tree-budget 8: this target cannot verify a tree: its recurrent") as e:
+        TreeDecoder(SimpleNamespace(config=hybrid), fitted64, budget=8, max_len=16)
+    assert "\n" not in str(e.value)
+    assert tree_unsupported(target64.config) is None
+    with pytest.raises(InputError, match="greedily only"):
+        TreeDecoder(target64, fitted64, budget=4, max_len=16).decode([5, 3], max_new_tokens=4, temperature=0.7)

@@ -123,10 +123,13 @@ def _tiny_config(arch: str, common: dict, heads: int, n: int) -> Any:
         return tf.Gemma3TextConfig(head_dim=head_dim, sliding_window=TINY_WINDOW,
                                    layer_types=_layer_types(_SLIDING, n), **common)
     if arch == "deepseek_v3":
+        # As many key/value heads as query heads, as DeepSeek-V3's own config has: MLA expands its latent into
+        # every head, and transformers 5.24 repeats them again by the group count when there are fewer (a cached
+        # forward of several tokens then fails on shapes).
+        mla = {**common, "num_key_value_heads": common["num_attention_heads"]}
         return tf.DeepseekV3Config(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                    v_head_dim=head_dim, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                                   topk_group=1, first_k_dense_replace=1, moe_intermediate_size=hidden,
-                                   **common)
+                                   topk_group=1, first_k_dense_replace=1, moe_intermediate_size=hidden, **mla)
     text = {k: v for k, v in common.items() if k not in ("tie_word_embeddings",)}
     tie = common["tie_word_embeddings"]
     if arch in ("qwen3_5", "qwen3_5_moe"):

@@ -76,7 +76,13 @@ def test_extract_train_export(arch, tiny_target, conversations, tmp_path, capsys
     # Full rotary, flat: what SGLang and vLLM both build from it, and what the drafter trained with.
     assert "partial_rotary_factor" not in json.dumps(exported) and "rope_theta" in exported["rope_parameters"]
     assert exported["dflash_config"]["target_layer_ids"] == list(LAYERS)
-    # (The decoding row, one prompt decoded speculatively and identical to greedy, joins here.)
+    # Decoding: one prompt, speculative with the exported drafter against greedy, through `dflash eval --prompts`
+    # (a 2-step drafter is rejected more often than not: the cut path, and the recurrent layers' rollback, run).
+    code, out, err = dflash_main(capsys, "eval", "--drafter", str(export), "--target", str(model), "--prompts",
+                                 str(conversations), "--decode", "24", "--max-prompts", "1", "--json")
+    assert code == 0, err[-3000:]
+    decoded = json.loads(out)
+    assert decoded["identical"] and decoded["identical_prompts"] == 1, decoded
 
 
 def test_a_layer_kind_dflash_cannot_verify_is_refused_before_any_store(tmp_path, conversations, capsys):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -98,6 +99,8 @@ def child(argv: list[str]) -> None:
 
     loading.load_for_features = random_target
     loading.check_weights = lambda path, **kw: None
+    if os.environ.get("BENCH_SWITCH_INTERVAL"):  # a --variants probe: the interpreter's GIL hand-over interval
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
     main(argv)
 
 
@@ -127,6 +130,23 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     out["steady_over_best_forward"] = round(cmd["steady_tok_s"] / fwd["best_tok_s"], 3)
     if cmd["timeline"] is not None:
         print(bx.timeline_totals(cmd["timeline"]), flush=True)
+    for variant in filter(None, (args.variants or "").split(";")):
+        # The command again with other settings (extra flags; SWITCH=s: the GIL hand-over interval in seconds), to
+        # find where its time goes beside the same forward.
+        words = variant.split()
+        switch = [w.split("=", 1)[1] for w in words if w.startswith("SWITCH=")]
+        flags = [w for w in words if not w.startswith("SWITCH=")]
+        os.environ.pop("BENCH_SWITCH_INTERVAL", None)
+        if switch:
+            os.environ["BENCH_SWITCH_INTERVAL"] = switch[0]
+        again = bx.run_command(folder, data, work / "store", gpus, ["--dtype", "bfloat16", *flags],
+                               work / "extract-variant.log", profile=work / "profile-variant.json",
+                               entry=[str(Path(__file__).resolve()), "--child"])
+        out.setdefault("variants", []).append(
+            {"variant": variant, "steady_tok_s": again["steady_tok_s"], "wall_s": round(again["wall_s"], 1),
+             "steady_over_forward": round(again["steady_tok_s"] / fwd["tok_s"], 3)})
+        print(json.dumps(out["variants"][-1]), flush=True)
+    os.environ.pop("BENCH_SWITCH_INTERVAL", None)
     return out
 
 
@@ -139,6 +159,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=300_000, help="tokens of conversations per case")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (check the script first)")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    ap.add_argument("--variants", default=None, help="';'-separated reruns of the command after the forward: extra "
+                    "extract flags and SWITCH=seconds (sys.setswitchinterval in the command), e.g. "
+                    "'--writer-threads 1;SWITCH=0.0002'")
     args = ap.parse_args()
     if args.smoke:
         args.tokens = min(args.tokens, 20_000)

@@ -29,8 +29,6 @@ SHARD_MAIN = ("claim", "wait_tokenise", "pack", "forward", "wait_buffer")
 # Start-up work beside the main thread: the target's weight files read into the page cache from the start
 # (target.WeightPrefetch), the target loaded on its own thread (extract/loader.py).
 STARTUP_BACKGROUND = ("model_prefetch", "model_imports", "model_check", "device_init", "model_load")
-SHARD_BACKGROUND = ("tokenise", "forward_device", "device_idle", "copy", "copy_device", "sink", "compress",
-                    "write_fsync", "commit", "commit_wait", "commit_files")
 
 
 def process_start() -> float:

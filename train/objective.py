@@ -267,12 +267,6 @@ class Metrics:
     def __add__(self, other: "Metrics") -> "Metrics":
         return Metrics.from_tensor(self.to_tensor() + other.to_tensor())
 
-    def as_dict(self) -> dict[str, Any]:
-        """Return the rates and counts as JSON-able values for metrics.jsonl."""
-        return {"loss": self.loss, "tau_hat": self.tau_hat, "slot_accuracy": self.slot_accuracy,
-                "blocks": self.blocks, "counted_slots": int(sum(self.slot_count)), **self.selector_dict(),
-                **self.objective_dict()}
-
     def objective_dict(self) -> dict[str, Any]:
         """Return the --tree-loss and --accept-loss terms that ran (none when off): loss_tree and loss_accept, their
         sums over the block loss's denominator (the objective adds them to `loss`)."""

@@ -20,9 +20,9 @@ from typing import Any, Callable, Sequence
 from . import errors as errors_mod
 from .errors import DflashError
 
-__all__ = ["LOG_FORMAT", "setup_logging", "LossyStream", "guard_std_streams", "lost_output", "UNUSED_PACKAGES", "skip_unused_packages", "Ranks", "ranks_from_env",
-           "Terminated", "install_signal_handlers", "interrupt_exit_code", "deferred_signals", "launch", "Progress",
-           "format_eta"]
+__all__ = ["LOG_FORMAT", "setup_logging", "LossyStream", "guard_std_streams", "lost_output", "UNUSED_PACKAGES",
+           "skip_unused_packages", "Ranks", "ranks_from_env", "Terminated", "install_signal_handlers",
+           "interrupt_exit_code", "deferred_signals", "launch", "Progress", "format_eta"]
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ def _copy(state: Any) -> Any:
 
 def _attention_crop(layer: Any, drop: int) -> None:
     """Drop the last `drop` positions of a layer's keys and values (of the attention part of a mixed layer)."""
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-    for cls in type(layer).__mro__:
-        if issubclass(cls, DynamicLayer) and "crop" in vars(cls):
+    for cls in type(layer).__mro__:  # the attention class it mixes in (the mixed class's own crop is the recurrent's)
+        if cls in (DynamicSlidingWindowLayer, DynamicLayer):
             cls.crop(layer, -drop)
             return
 

@@ -67,3 +67,17 @@ def test_speculative_decoding_equals_greedy_on_every_layer_kind(targets, name):
     cut = sum(a < 4 for a in spec.accepted[:-1])
     # A recurrent target runs the kept tokens of a cut block again; attention-only targets never do.
     assert spec.forwards == 1 + blocks + (cut if name.startswith("qwen3_5") else 0)
+
+
+def test_a_layer_mixing_attention_and_a_recurrent_state_drops_only_its_attention_tail():
+    """A cache layer holding both keys/values and a recurrent state (transformers' mixed layers): the cut drops the
+    attention tail; the state is the rollback's to restore (its own crop cannot take tokens back)."""
+    from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
+
+    from dflash.target.cache import _attention_crop
+
+    layer = LinearAttentionAndFullAttentionLayer()
+    keys = torch.arange(7.0).view(1, 1, 7, 1).expand(1, 2, 7, 4).contiguous()
+    layer.update(keys, keys.clone())
+    _attention_crop(layer, 3)
+    assert torch.equal(layer.keys, keys[:, :, :4]) and torch.equal(layer.values, keys[:, :, :4])

@@ -118,9 +118,14 @@ def main() -> None:
             result["first_difference"] = {"row": r, "char": k, a: ta[k : k + 80], b: tb[k : k + 80]}
             print(f"first difference: row {r} at character {k} ({na} vs {nb} tokens): {a} {ta[k:k + 60]!r} / "
                   f"{b} {tb[k:k + 60]!r}", flush=True)
+    _save(result, work, "generate.json")
+
+
+def _save(result: dict, work: Path, name: str) -> None:
+    """Write a run's result to WORK/result.json, and to $OUT/name on a lent machine (what comes back from it)."""
     (work / "result.json").write_text(json.dumps(result, indent=2))
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "generate.json").write_text(json.dumps(result, indent=2))
+        Path(os.environ["OUT"], name).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

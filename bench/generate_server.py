@@ -17,7 +17,6 @@ On a GPU add `--device cuda --serve-args=--continuous-batching`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import subprocess
@@ -27,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 # bench/generate.py's helpers: the work folder, the prompts, one `dflash` subprocess, its rate and its answers.
-from generate import _RATE, _answers, _bundled, _dflash, _fresh
+from generate import _RATE, _answers, _bundled, _dflash, _fresh, _save
 
 
 def _serve(model: str, device: str, dtype: str, extra: list[str], log: Path) -> tuple[subprocess.Popen, str, float]:
@@ -98,9 +97,7 @@ def main() -> None:
     result.update(ratio=served["tok_s"] / local["tok_s"], identical=same, compared=len(ans_s))
     print(f"RESULT server / in-process new tokens/s: {served['tok_s']:,.1f} / {local['tok_s']:,.1f} = "
           f"{result['ratio']:.2f}x; greedy answers identical: {same} of {len(ans_s)}", flush=True)
-    (work / "result.json").write_text(json.dumps(result, indent=2))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "generate_server.json").write_text(json.dumps(result, indent=2))
+    _save(result, work, "generate_server.json")
 
 
 if __name__ == "__main__":

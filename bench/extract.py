@@ -312,7 +312,7 @@ def run_command(model: Path, data: Path, store: Path, gpus: str, flags: list[str
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    log.write_text(done.stderr)
+    log.write_text(done.stderr + (f"\n--- stdout ---\n{done.stdout}" if done.stdout else ""))
     if done.returncode != 0:
         raise SystemExit(f"`{' '.join(cmd)}` failed ({done.returncode}):\n{done.stderr[-3000:]}")
     text = done.stderr

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -104,6 +105,40 @@ def child(argv: list[str]) -> None:
     main(argv)
 
 
+def triton_kernels() -> int:
+    """Return how many kernels Triton's on-disk cache holds (a run's compiles are the difference before/after)."""
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    return sum(1 for _ in cache.iterdir()) if cache.is_dir() else 0
+
+
+def autotuning(log: str) -> dict:
+    """Return, per Triton kernel, how many autotunings the log shows (TRITON_PRINT_AUTOTUNING=1), their seconds and
+    keys: which argument of the batch made a kernel tune again."""
+    seen: dict = {}
+    for fn, key, secs in re.findall(r"Triton autotuning for function (\w+),\s*with key as (.*?),\s*finished after "
+                                    r"([\d.]+)s", log, re.S):
+        entry = seen.setdefault(fn, {"n": 0, "s": 0.0, "keys": []})
+        entry["n"] += 1
+        entry["s"] = round(entry["s"] + float(secs), 2)
+        if len(entry["keys"]) < 6:
+            entry["keys"].append(key)
+    return dict(sorted(seen.items(), key=lambda kv: -kv[1]["s"]))
+
+
+def extract_run(folder: Path, data: Path, work: Path, gpus: str, flags: list[str], tag: str) -> tuple[dict, dict]:
+    """Run the command once; return its figures and what it compiled and autotuned."""
+    before = triton_kernels()
+    log = work / f"extract{tag}.log"
+    cmd = bx.run_command(folder, data, work / "store", gpus, ["--dtype", "bfloat16", *flags], log,
+                         profile=work / f"profile{tag}.json", entry=[str(Path(__file__).resolve()), "--child"])
+    tuned = autotuning(log.read_text())
+    compiled = {"triton_kernels_compiled": triton_kernels() - before,
+                "autotunings": sum(v["n"] for v in tuned.values()),
+                "autotune_s": round(sum(v["s"] for v in tuned.values()), 1), "autotuned": tuned}
+    print(f"run{tag or ' 1'}: {json.dumps(compiled)}", flush=True)
+    return cmd, compiled
+
+
 def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     """Return the command's and the forward's figures of one case."""
     from dflash.storage import Store
@@ -116,8 +151,7 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     make_folder(folder, model_type, config)
     bx.make_conversations(data, args.tokens)
     gpus = "cpu" if args.smoke else "0"
-    cmd = bx.run_command(folder, data, work / "store", gpus, ["--dtype", "bfloat16"], work / "extract.log",
-                         profile=work / "profile.json", entry=[str(Path(__file__).resolve()), "--child"])
+    cmd, compiled = extract_run(folder, data, work, gpus, [], "")
     log = (work / "extract.log").read_text()
     gdn = [line.split(": ", 1)[-1] for line in log.splitlines() if "Gated DeltaNet layers run" in line]
     bf16 = torch.bfloat16
@@ -125,7 +159,8 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     header = Store.open(str(work / "store")).header
     out = {"case": name, "layer_ids": header["layer_ids"], "gated_deltanet": gdn[0] if gdn else None,
            "command": {k: cmd[k] for k in ("wall_s", "tokens", "load_s", "steady_tok_s", "forward_side_tok_s")},
-           "forward": {k: fwd[k] for k in ("tokens", "batches", "tok_s", "warm_tok_s", "best_tok_s")}}
+           "forward": {k: fwd[k] for k in ("tokens", "batches", "tok_s", "warm_tok_s", "best_tok_s")},
+           "first_run_compiles": compiled}
     out["steady_over_forward"] = round(cmd["steady_tok_s"] / fwd["tok_s"], 3)
     out["steady_over_best_forward"] = round(cmd["steady_tok_s"] / fwd["best_tok_s"], 3)
     if cmd["timeline"] is not None:
@@ -139,12 +174,12 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
         os.environ.pop("BENCH_SWITCH_INTERVAL", None)
         if switch:
             os.environ["BENCH_SWITCH_INTERVAL"] = switch[0]
-        again = bx.run_command(folder, data, work / "store", gpus, ["--dtype", "bfloat16", *flags],
-                               work / "extract-variant.log", profile=work / "profile-variant.json",
-                               entry=[str(Path(__file__).resolve()), "--child"])
+        again, compiled = extract_run(folder, data, work, gpus, flags, f"-variant{len(out.get('variants', [])) + 1}")
         out.setdefault("variants", []).append(
             {"variant": variant, "steady_tok_s": again["steady_tok_s"], "wall_s": round(again["wall_s"], 1),
-             "steady_over_forward": round(again["steady_tok_s"] / fwd["tok_s"], 3)})
+             "steady_over_forward": round(again["steady_tok_s"] / fwd["tok_s"], 3),
+             "triton_kernels_compiled": compiled["triton_kernels_compiled"],
+             "autotunings": compiled["autotunings"], "autotune_s": compiled["autotune_s"]})
         print(json.dumps(out["variants"][-1]), flush=True)
     os.environ.pop("BENCH_SWITCH_INTERVAL", None)
     return out
@@ -162,7 +197,11 @@ def main() -> None:
     ap.add_argument("--variants", default=None, help="';'-separated reruns of the command after the forward: extra "
                     "extract flags and SWITCH=seconds (sys.setswitchinterval in the command), e.g. "
                     "'--writer-threads 1;SWITCH=0.0002'")
+    ap.add_argument("--tuning-log", action="store_true", help="TRITON_PRINT_AUTOTUNING=1 in the command: count "
+                    "the autotunings of each run and the keys that set them off")
     args = ap.parse_args()
+    if args.tuning_log:
+        os.environ["TRITON_PRINT_AUTOTUNING"] = "1"
     if args.smoke:
         args.tokens = min(args.tokens, 20_000)
     device = torch.device("cpu" if args.smoke else "cuda:0")

@@ -18,7 +18,7 @@ token (tests/test_static_decode.py), and so do the acceptance counts, up to floa
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.nn import functional as F
@@ -27,7 +27,7 @@ from ..target.static_kv import StaticTarget, fast_unsupported
 from .decoded import Decoded, cut_at_stop
 from ..drafter.model import DFlashDrafter, DFlash2Layer, apply_rope, block_embeddings, unary_logits
 
-__all__ = ["StaticDrafter", "StaticDecoder", "static_unsupported", "BUCKET"]
+__all__ = ["StaticDrafter", "StaticLoop", "StaticDecoder", "static_unsupported", "BUCKET"]
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,10 @@ class StaticDrafter:
             seen = seen & ((block_pos[:, None] - key_pos[None, :]).abs() < self.cfg.sliding_window)
         return seen
 
-    def draft(self, anchor: torch.Tensor, pos: torch.Tensor, width: int) -> torch.Tensor:
-        """Return the greedy drafts [B-1] after anchor [1] at position pos [1], attending to cache columns < pos."""
+    def logits(self, anchor: torch.Tensor, pos: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (final-normed hidden states [B-1, H], unary logits [B-1, V]) of the block's draft slots after
+        anchor [1] at position pos [1], attending to cache columns < pos (`draft_logits`' numbers, what a tree is
+        built from)."""
         cfg = self.cfg
         B, d, rep = cfg.block_size, self.head_dim, self.heads // self.kv_heads
         x = block_embeddings(cfg, torch.cat([anchor.long(), self.mask_ids]), self.embed).to(self.dtype)
@@ -115,29 +117,30 @@ class StaticDrafter:
             x = layer.post(x, out) if taps is None else layer.post(x, out, taps)
         hidden = self.model.norm(x)[1:]
         raw = (hidden @ self.head.T).to(torch.promote_types(hidden.dtype, torch.float32))
-        logits = unary_logits(cfg, raw)
-        if cfg.drafter == "dflash2":
+        return hidden, unary_logits(cfg, raw)
+
+    def draft(self, anchor: torch.Tensor, pos: torch.Tensor, width: int) -> torch.Tensor:
+        """Return the greedy drafts [B-1] after anchor [1] at position pos [1], attending to cache columns < pos."""
+        hidden, logits = self.logits(anchor, pos, width)
+        if self.cfg.drafter == "dflash2":
             return self.model.candidate_selector.path(hidden, logits, anchor)
         return logits.argmax(-1)
 
 
-class StaticDecoder:
-    """Greedy speculative decoding and plain greedy decoding of one target and drafter on static caches.
+class StaticLoop:
+    """What the static decoders share: one target and drafter over static caches sized for max_len + room columns,
+    the device state of a decoding (anchor token, its position, output buffer, stop ids), and one CUDA graph per
+    kind of step (`_kinds`) and cache-width bucket, captured by `_capture_all` (on CUDA) and replayed by `_run`
+    (run eagerly otherwise: the same code)."""
 
-    max_len bounds prompt + new tokens (it sizes the caches); graphs for every width bucket are captured once,
-    here, and serve every prompt. `speculative` and `greedy` return Decoded, as the dynamic loop does.
-    """
-
-    def __init__(self, target: Any, drafter: DFlashDrafter, *, max_len: int, cuda_graphs: bool | None = None,
-                 sync_every: int | None = None) -> None:
+    def __init__(self, target: Any, drafter: DFlashDrafter, *, max_len: int, room: int,
+                 cuda_graphs: bool | None) -> None:
         cfg = drafter.config
         self.B = cfg.block_size
         self.device = target.lm_head.weight.device
-        on_cuda = self.device.type == "cuda"
-        self.graphs = on_cuda if cuda_graphs is None else cuda_graphs
-        self.sync_every = sync_every or (8 if on_cuda else 1)
-        # Room for a whole last block and for the greedy steps run past the end before the host looks.
-        self.max_len = max_len + self.B + self.sync_every + 1
+        self.graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.room = room
+        self.max_len = max_len + room
         self.target = StaticTarget(target, max_len=self.max_len, feature_layers=cfg.target_layer_ids)
         self.lm_head = target.lm_head
         self.drafter = StaticDrafter(drafter, target, max_len=self.max_len)
@@ -151,47 +154,23 @@ class StaticDecoder:
         self.slots = torch.arange(self.B, device=dev)
         self.widths = sorted({min(self.max_len, w) for w in range(BUCKET, self.max_len + BUCKET, BUCKET)})
         self.graph: dict[tuple[str, int], Any] = {}
-        if self.graphs:
-            self._capture_all()
 
-    # ----- one step of each path, all in place on device tensors (CUDA-graph safe) -----
-
-    def _block(self, width: int) -> None:
-        drafts = self.drafter.draft(self.tok, self.pos, width)
-        block = torch.cat([self.tok, drafts])
-        h, feats = self.target.forward(block, self.pos, width, features=True)
-        choice = self.lm_head(h).argmax(-1)  # choice[k]: the target's token after block[k]
-        n_ok = (block[1:] == choice[:-1]).long().cumprod(0).sum()
-        # The accepted drafts equal the target's choices, so the new tokens are choice[: n_ok + 1].
-        self.out.index_copy_(0, self.n + self.slots, choice)
-        self.drafter.add_context(feats, self.pos)
-        new = self.slots <= n_ok
-        self.stat[0] = n_ok
-        self.stat[1] = ((choice[:, None] == self.stops[None, :]).any(1) & new).any().long()  # isin may sync
-        self.tok.copy_(choice.gather(0, n_ok.view(1)))
-        self.pos.add_(n_ok + 1)
-        self.n.add_(n_ok + 1)
-
-    def _step(self, width: int) -> None:
-        h, _ = self.target.forward(self.tok, self.pos, width)
-        new = self.lm_head(h).argmax(-1)
-        self.out.index_copy_(0, self.n, new)
-        self.tok.copy_(new)
-        self.pos.add_(1)
-        self.n.add_(1)
+    def _kinds(self) -> dict[str, Callable[[int], None]]:
+        """Return {kind: step(width)}: the steps to capture, each all in place on device tensors."""
+        raise NotImplementedError
 
     def _run(self, kind: str, width: int) -> None:
         if self.graphs:
             self.graph[kind, width].replay()
         else:
-            (self._block if kind == "block" else self._step)(width)
+            self._kinds()[kind](width)
 
     def _capture_all(self) -> None:
-        """Capture both paths at every width (state at zero; caches hold nothing a prompt needs yet)."""
+        """Capture every kind at every width (state at zero; caches hold nothing a prompt needs yet)."""
         with torch.cuda.device(self.device), torch.inference_mode():
             pool = torch.cuda.graph_pool_handle()
             stream = torch.cuda.Stream(self.device)  # one side stream for every warm-up: one cuBLAS workspace
-            for kind, fn in (("block", self._block), ("step", self._step)):
+            for kind, fn in self._kinds().items():
                 for w in self.widths:
                     self._zero()
                     stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -207,7 +186,7 @@ class StaticDecoder:
                     self.graph[kind, w] = graph
             self._zero()
             torch.cuda.synchronize(self.device)
-        log.info("static decoder: %d columns, %d cuda graphs", self.max_len, len(self.graph))
+        log.info("%s: %d columns, %d cuda graphs", type(self).__name__, self.max_len, len(self.graph))
 
     def _zero(self) -> None:
         for t in (self.tok, self.pos, self.n, self.stat):
@@ -219,7 +198,7 @@ class StaticDecoder:
     def _prefill(self, prompt_ids: Sequence[int], stop_ids: Sequence[int], features: bool) -> int:
         """Run the prompt (eager), leave the first new token in self.tok; return it."""
         S = len(prompt_ids)
-        if not 0 < S <= self.max_len - self.B - self.sync_every - 1:
+        if not 0 < S <= self.max_len - self.room:
             raise ValueError(f"prompt of {S} tokens does not fit the static decoder's {self.max_len} columns")
         self._zero()
         stops = sorted({int(s) for s in stop_ids})
@@ -240,23 +219,36 @@ class StaticDecoder:
                features: bool) -> tuple[int, set[int], int, list[int], bool]:
         """Return (prompt length, stop ids, first token, the answer so far, whether it is done) after the prefill."""
         S = len(prompt_ids)
-        if S + max_new_tokens > self.max_len - self.B - self.sync_every - 1:
+        if S + max_new_tokens > self.max_len - self.room:
             raise ValueError(f"{S} + {max_new_tokens} tokens do not fit the static decoder's {self.max_len} columns")
         stops = {int(s) for s in stop_ids}
         first = self._prefill(prompt_ids, stop_ids, features=features)
         tokens, done = cut_at_stop([first], max_new_tokens, stops)
         return S, stops, first, tokens, done
 
-    @torch.inference_mode()
-    def speculative(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> Any:
-        """Return Decoded of greedy speculative decoding (as decode.speculative_decode at temperature 0)."""
+
+    def _advance(self, new: torch.Tensor, n_ok: torch.Tensor) -> None:
+        """End a block on the device: new [B] holds its n_ok + 1 new tokens first (the rest is overwritten later);
+        write them to the output buffer, stat = (n_ok, a stop token among them), move the anchor past them."""
+        self.out.index_copy_(0, self.n + self.slots, new)
+        self.stat[0] = n_ok
+        stop = (new[:, None] == self.stops[None, :]).any(1)  # not isin: it may sync
+        self.stat[1] = (stop & (self.slots <= n_ok)).any().long()
+        self.tok.copy_(new.gather(0, n_ok.view(1)))
+        self.pos.add_(n_ok + 1)
+        self.n.add_(n_ok + 1)
+
+    def _blocks(self, kind: str, reach: int, prompt_ids: Sequence[int], max_new_tokens: int,
+                stop_ids: Sequence[int]) -> Decoded:
+        """Return Decoded of a decoding that replays `kind` once per verified block (which reads cache columns up to
+        its anchor's position + reach) and reads stat, the block's one host sync, after each."""
         S, stops, first, tokens, done = self._start(prompt_ids, max_new_tokens, stop_ids, features=True)
         if done:
             return Decoded(tokens=tokens, forwards=1)
         gains: list[int] = []
         pos, n = S, 0
         while True:
-            self._run("block", self._width(pos + self.B))
+            self._run(kind, self._width(pos + reach))
             n_ok, stopped = self.stat.tolist()  # the one host sync of a block
             gains.append(n_ok + 1)
             pos, n = pos + n_ok + 1, n + n_ok + 1
@@ -266,6 +258,52 @@ class StaticDecoder:
         kept, _ = cut_at_stop(full, max_new_tokens, stops)
         gains[-1] -= len(full) - len(kept)
         return Decoded(tokens=kept, forwards=1 + len(gains), accepted=gains)
+
+
+class StaticDecoder(StaticLoop):
+    """Greedy speculative decoding and plain greedy decoding of one target and drafter on static caches.
+
+    max_len bounds prompt + new tokens (it sizes the caches); graphs of both paths for every width bucket are
+    captured once, here, and serve every prompt. `speculative` and `greedy` return Decoded, as the dynamic loop does.
+    """
+
+    def __init__(self, target: Any, drafter: DFlashDrafter, *, max_len: int, cuda_graphs: bool | None = None,
+                 sync_every: int | None = None) -> None:
+        on_cuda = target.lm_head.weight.device.type == "cuda"
+        self.sync_every = sync_every or (8 if on_cuda else 1)
+        # Room for a whole last block and for the greedy steps run past the end before the host looks.
+        super().__init__(target, drafter, max_len=max_len, room=drafter.config.block_size + self.sync_every + 1,
+                         cuda_graphs=cuda_graphs)
+        if self.graphs:
+            self._capture_all()
+
+    def _kinds(self) -> dict[str, Callable[[int], None]]:
+        return {"block": self._block, "step": self._step}
+
+    # ----- one step of each path, all in place on device tensors (CUDA-graph safe) -----
+
+    def _block(self, width: int) -> None:
+        drafts = self.drafter.draft(self.tok, self.pos, width)
+        block = torch.cat([self.tok, drafts])
+        h, feats = self.target.forward(block, self.pos, width, features=True)
+        choice = self.lm_head(h).argmax(-1)  # choice[k]: the target's token after block[k]
+        n_ok = (block[1:] == choice[:-1]).long().cumprod(0).sum()
+        # The accepted drafts equal the target's choices, so the new tokens are choice[: n_ok + 1].
+        self.drafter.add_context(feats, self.pos)
+        self._advance(choice, n_ok)
+
+    def _step(self, width: int) -> None:
+        h, _ = self.target.forward(self.tok, self.pos, width)
+        new = self.lm_head(h).argmax(-1)
+        self.out.index_copy_(0, self.n, new)
+        self.tok.copy_(new)
+        self.pos.add_(1)
+        self.n.add_(1)
+
+    @torch.inference_mode()
+    def speculative(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> Any:
+        """Return Decoded of greedy speculative decoding (as decode.speculative_decode at temperature 0)."""
+        return self._blocks("block", self.B, prompt_ids, max_new_tokens, stop_ids)
 
     @torch.inference_mode()
     def greedy(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> Any:

@@ -18,18 +18,21 @@ are greedy-only here: the sampled walk of the paper is not implemented, so tempe
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch
 
 from ..drafter.model import DFlashDrafter
-from ..drafter.tree import build_tree
+from ..drafter.tree import ancestor_mask, build_tree
 from ..errors import InputError
 from ..target.static_kv import StaticTarget, fast_unsupported
 from .decoded import Decoded, cut_at_stop
 from .speculative import drafter_proposer
 
-__all__ = ["tree_unsupported", "TreeDecoder", "ancestor_mask", "tree_decoders"]
+__all__ = ["tree_unsupported", "check_tree", "check_greedy", "TreeDecoder", "tree_decoders"]
+
+log = logging.getLogger(__name__)
 
 
 def tree_unsupported(config: Any) -> str | None:
@@ -41,14 +44,21 @@ def tree_unsupported(config: Any) -> str | None:
     return fast_unsupported(config)
 
 
-def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
-    """Return [n, n] bool: node i sees node j iff j is i or one of its ancestors (parents[i] < i, -1: the root)."""
-    n = len(parents)
-    seen = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            seen[i] |= seen[p]
-    return seen
+def check_tree(target: Any, budget: int) -> None:
+    """Raise InputError (one line) when this target cannot verify a tree or budget is no tree size."""
+    why = tree_unsupported(target.config)
+    if why is not None:
+        raise InputError(f"--tree-budget {budget}: this target cannot verify a tree: {why}; decode without "
+                         "--tree-budget")
+    if budget < 1:
+        raise InputError(f"--tree-budget must be >= 1 node, got {budget}")
+
+
+def check_greedy(temperature: float) -> None:
+    """Raise InputError (one line) for temperature > 0: trees decode greedily only."""
+    if temperature > 0:
+        raise InputError(f"--tree-budget decodes greedily only (temperature 0), got temperature {temperature}; "
+                         "drop --tree-budget to sample with the path")
 
 
 class TreeDecoder:
@@ -56,12 +66,7 @@ class TreeDecoder:
     tokens). `decode` returns Decoded, as the path decoders do: accepted = tokens gained per verified tree."""
 
     def __init__(self, target: Any, drafter: DFlashDrafter, *, budget: int, max_len: int) -> None:
-        why = tree_unsupported(target.config)
-        if why is not None:
-            raise InputError(f"--tree-budget {budget}: this target cannot verify a tree: {why}; decode without "
-                             "--tree-budget")
-        if budget < 1:
-            raise InputError(f"--tree-budget must be >= 1 node, got {budget}")
+        check_tree(target, budget)
         cfg = drafter.config
         self.budget, self.layer_ids = int(budget), list(cfg.target_layer_ids)
         self.device = target.lm_head.weight.device
@@ -97,9 +102,7 @@ class TreeDecoder:
     def decode(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = (),
                temperature: float = 0.0) -> Decoded:
         """Return Decoded of greedy DDTree decoding of one prompt (temperature > 0 is refused: greedy only)."""
-        if temperature > 0:
-            raise InputError(f"--tree-budget decodes greedily only (temperature 0), got temperature {temperature}; "
-                             "drop --tree-budget to sample with the path")
+        check_greedy(temperature)
         S = len(prompt_ids)
         if not 0 < S or S + max_new_tokens + self.budget + 1 > self.max_len:
             raise InputError(f"a prompt of {S} tokens + {max_new_tokens} new ones does not fit the tree decoder's "
@@ -135,9 +138,18 @@ class TreeDecoder:
 
 
 def tree_decoders(target: Any, drafter: DFlashDrafter, budgets: Sequence[int], prompts: Sequence[Sequence[int]], *,
-                  max_new_tokens: int) -> dict[int, TreeDecoder]:
-    """Return {budget: TreeDecoder} sized for these prompts (none for no budgets or no prompts)."""
+                  max_new_tokens: int) -> dict[int, Any]:
+    """Return {budget: tree decoder} sized for these prompts (none for no budgets or no prompts): on CUDA the
+    StaticTreeDecoder (decode/static_tree.py: CUDA graphs, one host sync per tree) when the static machinery runs
+    this target and drafter, else the eager TreeDecoder (on a CPU, where graphs save nothing, too; logged)."""
+    from .static import static_unsupported
+    from .static_tree import StaticTreeDecoder
+
     if not prompts:
         return {}
     longest = max(len(p) for p in prompts) + max_new_tokens
-    return {int(n): TreeDecoder(target, drafter, budget=int(n), max_len=longest) for n in budgets}
+    why = "not on CUDA" if target.lm_head.weight.device.type != "cuda" else static_unsupported(target, drafter)
+    if why is not None and budgets:
+        log.info("tree decoding: eager TreeDecoder (%s)", why)
+    kind = TreeDecoder if why is not None else StaticTreeDecoder
+    return {int(n): kind(target, drafter, budget=int(n), max_len=longest) for n in budgets}

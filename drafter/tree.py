@@ -7,7 +7,9 @@ token of slot 1; each pop adds the popped prefix to the tree as a node and pushe
 rank-0 child. No prefix scores above its parent, so N pops give the N best prefixes, ancestors included: a tree of N
 nodes (the anchor is its root and not a node).
 
-`build_tree` is that heap, as decoding runs it once per block. `best_scores` gives the same N best scores for many
+`build_tree` is that heap, as the eager tree decoder runs it once per block; `device_tree` builds the same nodes
+with fixed shapes on the device (the static tree decoder's CUDA graph), and `ancestor_mask` their attention mask.
+`best_scores` gives the same N best scores for many
 blocks at once without a heap (the metric and the tree loss of training), and `tree_depths` the depth of the longest
 gold prefix inside each block's tree: the tree accepts 1 + that depth tokens, teacher-forced. Ties between scores
 are broken differently by the two (the heap: first pushed first), which only matters for exactly equal sums.
@@ -21,7 +23,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Tree", "build_tree", "best_scores", "tree_depths", "chain_best_scores", "TREE_BUDGETS"]
+__all__ = ["Tree", "build_tree", "best_scores", "tree_depths", "chain_best_scores", "prefix_levels", "level_pairs",
+           "device_tree", "ancestor_mask", "TREE_BUDGETS"]
 
 TREE_BUDGETS = (8, 16, 32, 64)  # the budgets the metric reports by default: DDTree's range
 
@@ -81,26 +84,47 @@ def _pairs(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(pi), torch.tensor(pj)
 
 
-def best_scores(logp: torch.Tensor, budget: int) -> torch.Tensor:
-    """Return [A, budget]: the scores of each block's `budget` best prefixes, largest first (-inf past the prefixes
-    there are), for logp [A, D, K] each slot's top-K log-probabilities, largest first. Not differentiable.
+def level_pairs(budget: int, k: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return `prefix_levels`' candidate pairs for `budget` prefixes and top-k slots, on device (a CUDA graph must
+    find them there: it cannot copy from the host)."""
+    return tuple(t.to(device) for t in _pairs(budget, k))  # type: ignore[return-value]
+
+
+def prefix_levels(logp: torch.Tensor, budget: int,
+                  pairs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (scores, parents, ranks), each [A, D, budget]: per block and prefix length d (slot d-1), its `budget`
+    best prefixes of that length, largest score first (-inf past the prefixes there are): their scores, the index of
+    their parent among the length d-1 ones (0 at d = 1) and their last token's rank in that slot's top-K, for logp
+    [A, D, K] each slot's top-K log-probabilities, largest first, and pairs = level_pairs(budget, K).
 
     Level by level: the best `budget` prefixes of length d are among the extensions of the best `budget` of length
-    d-1 by the slot's top tokens, and the tree's nodes of length d are among those; the tree is the `budget` best of
-    all levels together. About budget * ln(budget) candidate sums per block and level, in a few batched ops.
-    """
+    d-1 by the slot's top tokens (no prefix scores above its parent), and the `budget` best prefixes of the whole
+    tree (DDTree's heap) are the `budget` best of all levels together. About budget * ln(budget) candidate sums per
+    block and level, in a few batched ops of fixed shapes, no host sync. Not differentiable."""
     with torch.no_grad():
         A, D, K = logp.shape
         lp = logp.detach().to(torch.promote_types(logp.dtype, torch.float32))
         n = budget
         pad = torch.full((A, max(0, n - K)), float("-inf"), dtype=lp.dtype, device=lp.device)
         level = torch.cat([lp[:, 0, :n], pad], 1)  # [A, n] sorted
-        pi, pj = (t.to(lp.device) for t in _pairs(n, K))
-        found = [level]
+        rank = torch.arange(n, device=lp.device).clamp(max=K - 1).expand(A, n)
+        pi, pj = pairs
+        scores, parents, ranks = [level], [torch.zeros_like(rank)], [rank]
         for d in range(1, D):
-            level = torch.topk(level[:, pi] + lp[:, d, pj], n, dim=1).values
-            found.append(level)
-        return torch.topk(torch.cat(found, 1), n, dim=1).values
+            best = torch.topk(level[:, pi] + lp[:, d, pj], n, dim=1)
+            level = best.values
+            scores.append(level)
+            parents.append(pi[best.indices])
+            ranks.append(pj[best.indices])
+        return torch.stack(scores, 1), torch.stack(parents, 1), torch.stack(ranks, 1)
+
+
+def best_scores(logp: torch.Tensor, budget: int) -> torch.Tensor:
+    """Return [A, budget]: the scores of each block's `budget` best prefixes, largest first (-inf past the prefixes
+    there are), for logp [A, D, K] each slot's top-K log-probabilities, largest first (`prefix_levels`). Not
+    differentiable."""
+    scores, _, _ = prefix_levels(logp, budget, level_pairs(budget, logp.shape[2], logp.device))
+    return torch.topk(scores.flatten(1), budget, dim=1).values
 
 
 def tree_depths(logp: torch.Tensor, gold: torch.Tensor, budgets: Sequence[int]) -> torch.Tensor:
@@ -140,3 +164,39 @@ def chain_best_scores(first: torch.Tensor, trans: torch.Tensor, budget: int) -> 
             score, last = best.values, best.indices % K
             found.append(score)
         return torch.topk(torch.cat(found, 1), n, dim=1).values
+
+
+def device_tree(logp: torch.Tensor, ids: torch.Tensor, budget: int,
+                pairs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (tokens, parents, depths), each [budget] long: `build_tree`'s nodes (ties aside) built on the device
+    with fixed shapes and no host sync (what a CUDA graph can hold), for one block's logp [D, K] and ids [D, K] as
+    build_tree takes them and pairs = level_pairs(budget, K).
+
+    The nodes are the `budget` best of `prefix_levels`' candidates, ordered by depth, then by score (largest first):
+    a parent always comes before its children. A node that is no prefix (score -inf: fewer prefixes than budget) or
+    whose parent was not kept (an exact tie between a parent and its child) gets token -1, which no walk follows."""
+    D = logp.shape[0]
+    n = budget
+    scores, parents, ranks = (t.reshape(D * n) for t in prefix_levels(logp[None], n, pairs))
+    chosen = torch.topk(scores, n).indices.sort().values  # flat index = level * n + place: depth, then score
+    level = chosen // n
+    tokens = ids[level, ranks[chosen]]
+    node_of = torch.full((D * n,), -1, dtype=torch.long, device=logp.device)
+    node_of.index_copy_(0, chosen, torch.arange(n, device=logp.device))
+    parent = torch.where(level > 0, node_of[((level - 1) * n + parents[chosen]).clamp(min=0)], -1)
+    kept = torch.isfinite(scores[chosen]) & ((level == 0) | (parent >= 0))
+    return torch.where(kept, tokens, -1), parent, level + 1
+
+
+def ancestor_mask(parents: torch.Tensor | Sequence[int], max_depth: int | None = None) -> torch.Tensor:
+    """Return [n, n] bool: node i sees node j iff j is i or one of its ancestors (parents[i] < i, -1: the root), by
+    pointer doubling: "self or parent" squared ceil(log2(max_depth)) times (max_depth bounds a node's depth,
+    default n). Fixed shapes on the device of parents: no host sync."""
+    parents = torch.as_tensor(parents, dtype=torch.long)
+    n = parents.shape[0]
+    idx = torch.arange(n, device=parents.device)
+    seen = (idx[None, :] == idx[:, None]) | (idx[None, :] == parents[:, None])
+    for _ in range(max(0, ((max_depth or n) - 1).bit_length())):
+        step = seen.float()
+        seen = (step @ step) > 0
+    return seen

@@ -1,5 +1,7 @@
 """Greedy DDTree decoding: the ancestor-only mask gives each node its path's own logits, decoding equals plain greedy
-and a walk done prefix by prefix with separate forwards, and the refusals (recurrent layers, temperature > 0)."""
+and a walk done prefix by prefix with separate forwards, the tree built on the device equals the heap's, the static
+tree decoder (CUDA graphs' code, run eagerly here) equals the eager one, and the refusals (recurrent layers,
+temperature > 0)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -8,12 +10,14 @@ import pytest
 import torch
 
 from dflash.decode.speculative import drafter_proposer, greedy_decode, load_target
-from dflash.decode.tree import TreeDecoder, ancestor_mask, tree_unsupported
-from dflash.drafter.tree import build_tree
+from dflash.decode.static_tree import StaticTreeDecoder
+from dflash.decode.tree import TreeDecoder, tree_decoders, tree_unsupported
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.drafter.tree import ancestor_mask, build_tree, device_tree, level_pairs
 from dflash.errors import InputError
 from dflash.facts import build_target_layer_ids
 from dflash.target.static_kv import StaticTarget
-from test_speculative import FIT_PROMPTS, _fitted_drafter
+from test_speculative import FIT_PROMPTS, PROMPTS, _fitted_drafter
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +112,86 @@ def test_a_recurrent_target_and_sampling_are_refused_in_one_line(target64, fitte
     assert tree_unsupported(target64.config) is None
     with pytest.raises(InputError, match="greedily only"):
         TreeDecoder(target64, fitted64, budget=4, max_len=16).decode([5, 3], max_new_tokens=4, temperature=0.7)
+
+
+def _node_paths(tokens, parents) -> list[tuple[int, ...]]:
+    out = []
+    for i in range(len(tokens)):
+        at, path = i, []
+        while at >= 0:
+            path.append(int(tokens[at]))
+            at = int(parents[at])
+        out.append(tuple(path[::-1]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_tree_built_on_the_device_holds_the_heaps_nodes_parents_first(seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    D, V = 4, 6
+    lp = torch.log_softmax(torch.randn(D, V, generator=g, dtype=torch.float64) * 2, -1).float()
+    for n in (1, 3, 8, 21, 64):
+        values, ids = torch.topk(lp, min(n, V), dim=-1)
+        cut = values.clone()
+        cut[2:] = float("-inf")  # slots 3 and 4 take no node: fewer prefixes than n for n > 42
+        for logp in (values, cut):
+            heap = build_tree(logp, ids, n)
+            tokens, parents, depths = device_tree(logp, ids, n, level_pairs(n, ids.shape[1], "cpu"))
+            assert tokens.shape == parents.shape == depths.shape == (n,)
+            kept = [i for i in range(n) if tokens[i] >= 0]
+            assert len(kept) == len(heap)
+            paths = _node_paths(tokens, parents)
+            assert {paths[i] for i in kept} == set(_paths_of(heap))
+            assert all(parents[i] < i and depths[i] == len(paths[i]) for i in kept)  # parents first, depths right
+            assert depths.tolist() == sorted(depths.tolist())
+            loop = torch.eye(n, dtype=torch.bool)
+            for i, p in enumerate(parents.tolist()):
+                if p >= 0:
+                    loop[i] |= loop[p]
+            assert torch.equal(ancestor_mask(parents, D), loop)
+
+
+def _paths_of(tree) -> list[tuple[int, ...]]:
+    return _node_paths(tree.tokens, tree.parents)
+
+
+def test_static_tree_decoding_equals_greedy_and_the_eager_tree_decoder(target64, fitted64) -> None:
+    seen_deep = False
+    for budget in (1, 5, 12):
+        eager = TreeDecoder(target64, fitted64, budget=budget, max_len=64)
+        static = StaticTreeDecoder(target64, fitted64, budget=budget, max_len=64)  # one decoder, every prompt
+        assert not static.graphs  # on the CPU: the graphs' code, run eagerly
+        for prompt in FIT_PROMPTS + PROMPTS:
+            want = eager.decode(prompt, max_new_tokens=20)
+            got = static.decode(prompt, max_new_tokens=20)
+            assert got.tokens == greedy_decode(target64, prompt, max_new_tokens=20).tokens, (budget, prompt)
+            assert (got.accepted, got.forwards) == (want.accepted, want.forwards), (budget, prompt)
+            seen_deep |= max(got.accepted) > 2
+        stop = want.tokens[5]  # a stop token ends the decoding where the eager one ends it
+        assert static.decode(prompt, max_new_tokens=20, stop_ids=[stop]) == eager.decode(prompt, max_new_tokens=20,
+                                                                                         stop_ids=[stop])
+    assert seen_deep
+    with pytest.raises(InputError, match="greedily only"):
+        static.decode([5, 3], max_new_tokens=4, temperature=0.7)
+    assert all(type(d) is TreeDecoder for d in tree_decoders(target64, fitted64, [4], PROMPTS,
+                                                             max_new_tokens=8).values())  # a CPU: the eager one
+
+
+def test_a_dflash2_drafters_static_tree_is_the_eager_ones(tiny_llama) -> None:
+    """DFlash 2: both build the tree from the unary logits (the selector is the path's, not the tree's)."""
+    target = load_target(tiny_llama)
+    ids = build_target_layer_ids(target.config.num_hidden_layers)
+    cfg = DrafterConfig.from_target(tiny_llama, target_layer_ids=ids, mask_token_id=259, draft_layers=2,
+                                    block_size=4, drafter="dflash2", selector_rank=8, selector_top_k=4)
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(cfg).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    eager = TreeDecoder(target, drafter, budget=8, max_len=40)
+    static = StaticTreeDecoder(target, drafter, budget=8, max_len=40)
+    for prompt in PROMPTS:
+        want = eager.decode(prompt, max_new_tokens=16)
+        assert static.decode(prompt, max_new_tokens=16) == want
+        assert want.tokens == greedy_decode(target, prompt, max_new_tokens=16).tokens

@@ -12,6 +12,8 @@ block. Here, per prompt:
   move the anchor. On CUDA it is captured once per cache-width bucket and replayed; the host reads one pair of
   numbers per block (accepted count, stop token seen) to pick the next bucket and to stop;
 - greedy decoding replays a captured one-token step and looks at the output every `sync_every` steps.
+`StaticLoop` holds what this decoder shares with the tree decoder (static_tree.py): the caches, the device state, the
+prefill, the capture and replay of one graph per kind of step and width, and the block loop with its one sync.
 Greedy only (temperature 0): the sampled path stays in speculative.py. The output equals speculative.py's token for
 token (tests/test_static_decode.py), and so do the acceptance counts, up to float rounding of the reordered sums.
 """

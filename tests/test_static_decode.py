@@ -61,20 +61,26 @@ def test_a_stop_token_cuts_both_paths_where_the_dynamic_loop_cuts(target, fitted
         assert decoder.greedy(FIT_PROMPTS[0], max_new_tokens=40, stop_ids=[stop]).tokens == static.tokens
 
 
-@pytest.mark.parametrize("kind", ["dflash2", "sliding"])
-def test_dflash2_and_sliding_drafters_decode_as_the_dynamic_loop(tiny_llama, kind):
-    target = load_target(tiny_llama)
+def random_drafter(folder, target, **extra) -> DFlashDrafter:
+    """Return a 2-layer block-4 drafter for the target in folder with weights large enough to draft varied tokens."""
     ids = build_target_layer_ids(target.config.num_hidden_layers)
-    extra = dict(drafter="dflash2", selector_rank=8, selector_top_k=4) if kind == "dflash2" else \
-        dict(sliding_window=3, full_every=2)
-    cfg = DrafterConfig.from_target(tiny_llama, target_layer_ids=ids, mask_token_id=259, draft_layers=2,
-                                    block_size=4, **extra)
+    cfg = DrafterConfig.from_target(folder, target_layer_ids=ids, mask_token_id=259, draft_layers=2, block_size=4,
+                                    **extra)
     torch.manual_seed(1)
     drafter = DFlashDrafter(cfg).eval()
     with torch.no_grad():
         for p in drafter.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.3)
+    return drafter
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "sliding"])
+def test_dflash2_and_sliding_drafters_decode_as_the_dynamic_loop(tiny_llama, kind):
+    target = load_target(tiny_llama)
+    extra = dict(drafter="dflash2", selector_rank=8, selector_top_k=4) if kind == "dflash2" else \
+        dict(sliding_window=3, full_every=2)
+    drafter = random_drafter(tiny_llama, target, **extra)
     decoder = StaticDecoder(target, drafter, max_len=48)
     for prompt in PROMPTS:
         dynamic, static = _both(target, drafter, prompt, decoder, max_new_tokens=24)

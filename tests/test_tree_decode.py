@@ -12,12 +12,12 @@ import torch
 from dflash.decode.speculative import drafter_proposer, greedy_decode, load_target
 from dflash.decode.static_tree import StaticTreeDecoder
 from dflash.decode.tree import TreeDecoder, tree_decoders, tree_unsupported
-from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.drafter.tree import ancestor_mask, build_tree, device_tree, level_pairs
 from dflash.errors import InputError
 from dflash.facts import build_target_layer_ids
 from dflash.target.static_kv import StaticTarget
 from test_speculative import FIT_PROMPTS, PROMPTS, _fitted_drafter
+from test_static_decode import random_drafter
 
 
 @pytest.fixture(scope="module")
@@ -157,11 +157,11 @@ def _paths_of(tree) -> list[tuple[int, ...]]:
 
 def test_static_tree_decoding_equals_greedy_and_the_eager_tree_decoder(target64, fitted64) -> None:
     seen_deep = False
-    for budget in (1, 5, 12):
+    for budget in (1, 12):
         eager = TreeDecoder(target64, fitted64, budget=budget, max_len=64)
         static = StaticTreeDecoder(target64, fitted64, budget=budget, max_len=64)  # one decoder, every prompt
         assert not static.graphs  # on the CPU: the graphs' code, run eagerly
-        for prompt in FIT_PROMPTS + PROMPTS:
+        for prompt in FIT_PROMPTS + PROMPTS[2:]:
             want = eager.decode(prompt, max_new_tokens=20)
             got = static.decode(prompt, max_new_tokens=20)
             assert got.tokens == greedy_decode(target64, prompt, max_new_tokens=20).tokens, (budget, prompt)
@@ -180,18 +180,10 @@ def test_static_tree_decoding_equals_greedy_and_the_eager_tree_decoder(target64,
 def test_a_dflash2_drafters_static_tree_is_the_eager_ones(tiny_llama) -> None:
     """DFlash 2: both build the tree from the unary logits (the selector is the path's, not the tree's)."""
     target = load_target(tiny_llama)
-    ids = build_target_layer_ids(target.config.num_hidden_layers)
-    cfg = DrafterConfig.from_target(tiny_llama, target_layer_ids=ids, mask_token_id=259, draft_layers=2,
-                                    block_size=4, drafter="dflash2", selector_rank=8, selector_top_k=4)
-    torch.manual_seed(1)
-    drafter = DFlashDrafter(cfg).eval()
-    with torch.no_grad():
-        for p in drafter.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3)
+    drafter = random_drafter(tiny_llama, target, drafter="dflash2", selector_rank=8, selector_top_k=4)
     eager = TreeDecoder(target, drafter, budget=8, max_len=40)
     static = StaticTreeDecoder(target, drafter, budget=8, max_len=40)
-    for prompt in PROMPTS:
-        want = eager.decode(prompt, max_new_tokens=16)
-        assert static.decode(prompt, max_new_tokens=16) == want
-        assert want.tokens == greedy_decode(target, prompt, max_new_tokens=16).tokens
+    for prompt in PROMPTS[:2]:
+        want = eager.decode(prompt, max_new_tokens=12)
+        assert static.decode(prompt, max_new_tokens=12) == want
+        assert want.tokens == greedy_decode(target, prompt, max_new_tokens=12).tokens

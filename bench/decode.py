@@ -6,7 +6,9 @@ A random SmolLM2-135M-shaped Llama target (fp32, as decoding verifies) and a 2-l
 gpu budget (dflash2 and dflash), a context of --context tokens. Times, per replay (CUDA events over --reps replays):
 the greedy step (one target token), the target's block verification (B tokens + lm_head + argmax), the drafter's
 block (B-1 drafts), its context update (B new rows), and the whole block graph `StaticDecoder` replays; then the
-ratio block / step, which speculative decoding must beat with its tau to be faster in wall clock.
+ratio block / step, which speculative decoding must beat with its tau to be faster in wall clock. --tree-budgets
+16,64 adds the whole tree graph `StaticTreeDecoder` replays per budget and its ratio to the path's block, which the
+tree's measured tau must beat (over the path's) for trees to beat the path in wall clock.
 --dtypes runs it in several numerics (fp32; tf32: fp32 with TF32 matmuls; bf16: weights, caches and activations in
 bf16); --kernels adds, per part, the device time of its kernels run eagerly (count, sum, the top kernels), which
 tells launch-bound parts (sum far below the replay) from slow kernels.
@@ -23,7 +25,7 @@ import torch
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
                rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
-SMOKE = {**SMOLLM2, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+SMOKE = {**SMOLLM2, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 
 
@@ -141,6 +143,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--dtypes", default="fp32", help="comma-separated: fp32, tf32, bf16")
     ap.add_argument("--kernels", action="store_true", help="also profile each part's kernels (eager)")
+    ap.add_argument("--tree-budgets", default="", help="comma-separated node budgets: also time the whole tree block "
+                    "StaticTreeDecoder replays (draft, device tree, verify, walk, cache moves) for each")
     ap.add_argument("--compile", action="store_true",
                     help="also time the target's step and verify compiled by torch.compile (fixed shapes) inside the "
                          "graph, in the first of --dtypes: what fusing its elementwise kernels would give")
@@ -161,6 +165,7 @@ def main() -> None:
 
     from dflash.drafter.model import DFlashDrafter, DrafterConfig
     from dflash.decode.static import StaticDecoder
+    from dflash.decode.static_tree import StaticTreeDecoder
     from dflash.facts import build_target_layer_ids
 
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -173,6 +178,7 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "context": args.context, "rows": []}
     names = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    budgets = [int(n) for n in args.tree_budgets.split(",") if n.strip()]
     unknown = set(names) - {"fp32", "tf32", "bf16"}
     if unknown:
         ap.error(f"--dtypes {sorted(unknown)}: choose from fp32, tf32, bf16")
@@ -237,6 +243,18 @@ def main() -> None:
 
             row["whole block"] = round(_time(_graph(whole, device), reps, device), 3)
             row["block / step"] = round(row["whole block"] / row["greedy step (1 target token)"], 2)
+            for budget in budgets:
+                tree = StaticTreeDecoder(target, drafter, budget=budget, max_len=args.context + 160, cuda_graphs=False)
+                tree._prefill(prompt, [], features=True)
+                tree_width = tree._width(args.context + budget + 1)
+
+                def whole_tree():
+                    tree._tree(tree_width)
+                    tree.pos.copy_(pos)
+                    tree.n.zero_()
+
+                row[f"whole tree N={budget}"] = round(_time(_graph(whole_tree, device), reps, device), 3)
+                row[f"tree N={budget} / block"] = round(row[f"whole tree N={budget}"] / row["whole block"], 2)
         results["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
         for name, k in row.get("kernels", {}).items():

@@ -187,3 +187,21 @@ def test_a_dflash2_drafters_static_tree_is_the_eager_ones(tiny_llama) -> None:
         want = eager.decode(prompt, max_new_tokens=12)
         assert static.decode(prompt, max_new_tokens=12) == want
         assert want.tokens == greedy_decode(target, prompt, max_new_tokens=12).tokens
+
+
+@pytest.mark.gpu
+def test_captured_tree_graphs_decode_as_the_eager_tree_loop_on_a_gpu(tiny_qwen3) -> None:
+    """On a GPU, fp32: the captured tree graphs (one replay, one host sync per tree) give the eager TreeDecoder's
+    tokens and accepted lengths, and greedy's tokens; tree_decoders picks them on CUDA."""
+    target = load_target(tiny_qwen3, device="cuda")
+    answers = [greedy_decode(target, p, max_new_tokens=40).tokens for p in FIT_PROMPTS]
+    ids = build_target_layer_ids(target.config.num_hidden_layers)
+    drafter = _fitted_drafter(tiny_qwen3, load_target(tiny_qwen3), ids, answers).to("cuda").eval()
+    for budget in (4, 32):
+        static = tree_decoders(target, drafter, [budget], FIT_PROMPTS + PROMPTS, max_new_tokens=40)[budget]
+        assert type(static) is StaticTreeDecoder and static.graphs
+        eager = TreeDecoder(target, drafter, budget=budget, max_len=64)
+        for prompt in FIT_PROMPTS + PROMPTS:
+            got = static.decode(prompt, max_new_tokens=40)
+            assert got == eager.decode(prompt, max_new_tokens=40), (budget, prompt)
+            assert got.tokens == greedy_decode(target, prompt, max_new_tokens=40).tokens, (budget, prompt)

@@ -79,10 +79,7 @@ class StaticTreeDecoder(StaticLoop):
         place = torch.where(good, good.cumsum(0) - 1, D)
         path = self.path.fill_(N).scatter(0, place, self.nodes)[:D]
         rows = torch.cat([self.tok.new_zeros(1), path + 1]).clamp(max=N)
-        src, dst = pos + rows[1:], pos + 1 + self.slots[:D]
-        for ck, cv in self.target.cache:
-            ck.index_copy_(2, dst, ck.index_select(2, src))
-            cv.index_copy_(2, dst, cv.index_select(2, src))
+        self.target.move(pos + rows[1:], pos + 1 + self.slots[:D])
         self.drafter.add_context(feats[rows], pos)
         self._advance(choice[rows], n_ok)
 

@@ -94,9 +94,7 @@ class TreeDecoder:
             return
         src = torch.tensor([pos + 1 + c for c in path], device=self.device)
         dst = torch.arange(pos + 1, pos + 1 + len(path), device=self.device)
-        for ck, cv in self.target.cache:
-            ck.index_copy_(2, dst, ck.index_select(2, src))
-            cv.index_copy_(2, dst, cv.index_select(2, src))
+        self.target.move(src, dst)
 
     @torch.inference_mode()
     def decode(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = (),

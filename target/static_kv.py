@@ -73,9 +73,11 @@ class StaticTarget:
         # the MLP's down) took 52 us where the batched one-row form takes 6-9, and the memory-efficient attention
         # kernel 46 us where matmul + softmax take 20, for 3 or 24 query rows (bench/decode.py --alternatives, H200).
         self.fp32_cuda = self.device.type == "cuda" and self.dtype == torch.float32
-        shape = (1, self.kv_heads, max_len, self.head_dim)
-        self.cache = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                       torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.inner.layers]
+        # Every layer's keys and values in one tensor (layer, k/v, row, head, column, dim), so that `move` is one
+        # gather and one scatter; cache[i] = (keys, values) of layer i, views of it.
+        shape = (len(self.inner.layers), 2, 1, self.kv_heads, max_len, self.head_dim)
+        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.cache = [(self.kv[i, 0], self.kv[i, 1]) for i in range(shape[0])]
         self.cols = torch.arange(max_len, device=self.device)
 
     def _linear(self, lin: Any, h: Any) -> Any:
@@ -114,13 +116,24 @@ class StaticTarget:
                                                  scale=attn.scaling)
         return attn.o_proj(out.reshape(1, self.heads, t, d).transpose(1, 2).reshape(1, t, -1))
 
+    def move(self, src: Any, dst: Any) -> None:
+        """Copy the keys and values of cache columns src [k] to columns dst [k] in every layer, in one gather and one
+        scatter (a verified tree's accepted path going to the committed columns)."""
+        self.kv.index_copy_(4, dst, self.kv.index_select(4, src))
+
     def forward(self, ids: Any, pos0: Any, width: int, *, features: bool = False, rope_pos: Any = None,
                 visible: Any = None) -> tuple[Any, Any]:
-        """Return (final-normed hidden states [t, H], feature-layer outputs [t, n*H] or None) of ids [t].
+        """Return (final-normed hidden states [t, H], feature-layer outputs [t, n*H] or None) of ids [t], without
+        gradients (the cache's layers are views of one tensor, which autograd would not let every layer write).
 
         A tree of tokens (decode/tree.py): rope_pos [t] their positions in the sequence (committed length + depth)
         while their keys and values still go to columns pos0..pos0+t-1, and visible [t, width] which columns each
         one sees (the committed ones, its ancestors and itself)."""
+        with self.torch.no_grad():
+            return self._forward(ids, pos0, width, features, rope_pos, visible)
+
+    def _forward(self, ids: Any, pos0: Any, width: int, features: bool, rope_pos: Any,
+                 visible: Any) -> tuple[Any, Any]:
         torch = self.torch
         t = ids.shape[0]
         positions = pos0 + torch.arange(t, device=self.device)

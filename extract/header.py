@@ -168,7 +168,8 @@ def in_form_of(header: dict[str, Any], stored: dict[str, Any] | None) -> dict[st
     return legacy
 
 
-def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, template: str, scan: RowScan) -> dict[str, Any]:
+def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, template: str,
+                 scan: RowScan) -> dict[str, Any]:
     """Return the header this run's store must have (scan: plan.scan_rows of the data); any difference from an
     existing store is a mismatch."""
     text = text_config(model_config)  # a multimodal wrapper's language model keeps these fields nested

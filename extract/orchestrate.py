@@ -146,8 +146,8 @@ def _load_beside(cfg: "ExtractConfig", devices: list[str], complete: bool) -> bo
     One device in this process: its target is checked and loaded from the moment device and dtype are known,
     beside reading the data, the header, the plan, the store and the first shard's tokenising (extract/loader.py
     says why that is safe). A dry run measures with its own load; a complete store needs no model. Several
-    devices keep the in-line load in each spawned worker: there it could only hide the worker's own row reading
-    and tokenizer load (a second or two; header, plan and store were made by this process before it spawned),
+    devices keep the in-line load in each spawned worker: there it could only hide the worker's tokenizer load
+    (a second or so; header, plan and store were made by this process before it spawned),
     and all workers loading at once share the disk, so the load is the critical path either way.
     """
     return len(devices) == 1 and not cfg.dry_run and not complete

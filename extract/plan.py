@@ -153,8 +153,8 @@ def make_plan(header: dict[str, Any], rows: Sequence[Row], scan: RowScan, commit
     tokens = int(sum(scan.tokens_per_row(a, b) * (b - a) for s, (a, b) in enumerate(ranges)
                      if s not in committed and b > a))
     free_path, free_bytes = free_space(out)
-    return ExtractionPlan(rows=rows, ranges=ranges, committed=committed, raw_bytes_per_token=raw,
-                          tokens_left=tokens, projected_left_bytes=int(tokens * raw * CODEC_RATIO.get(header["codec"], 1.0)),
+    return ExtractionPlan(rows=rows, ranges=ranges, committed=committed, raw_bytes_per_token=raw, tokens_left=tokens,
+                          projected_left_bytes=int(tokens * raw * CODEC_RATIO.get(header["codec"], 1.0)),
                           free_path=free_path, free_bytes=free_bytes, device=devices[0], devices=len(devices))
 
 
@@ -218,7 +218,6 @@ def padding_fraction(lengths: list[int], batches: list[list[int]]) -> float:
     real = sum(lengths[i] for b in batches for i in b)
     computed = sum(len(b) * max(lengths[i] for i in b) for b in batches)
     return 0.0 if computed == 0 else 1.0 - real / computed
-
 
 
 def free_space(url: str) -> tuple[str | None, int | None]:

@@ -27,7 +27,7 @@ from ..drafter.tree import build_tree
 from ..errors import InputError
 from ..target.static_kv import StaticTarget, fast_unsupported
 from .decoded import Decoded, cut_at_stop
-from .speculative import drafter_proposer
+from .drafting import drafter_proposer
 
 __all__ = ["tree_unsupported", "TreeDecoder", "ancestor_mask", "tree_decoders"]
 

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash.decode.speculative import drafter_proposer, greedy_decode, load_target
+from dflash.decode.drafting import drafter_proposer
+from dflash.decode.speculative import greedy_decode, load_target
 from dflash.decode.tree import TreeDecoder, ancestor_mask, tree_unsupported
 from dflash.drafter.tree import build_tree
 from dflash.errors import InputError

@@ -33,6 +33,8 @@ def test_dry_run_projects_the_written_store_within_5_percent(conversations, tiny
     assert plan["free_bytes"] > 0 and plan["extract_s"] is not None
     summary = run(extract_config(tiny_qwen3, conversations, out, shard_size=10, codec=codec))
     assert (plan["samples"], plan["tokens"]) == (summary["samples"], summary["tokens"])
+    # The plan printed is the one the run extracted: its shards are the store's.
+    assert (plan["rows"], plan["shards"], plan["shards_left"]) == (40, Store.open(str(out)).num_shards, 4)
     assert plan["projected_bytes"] == pytest.approx(store_bytes(out), rel=0.05)
 
 

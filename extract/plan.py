@@ -93,9 +93,9 @@ class ExtractionPlan:
 
     rows is the data files' index (chatfiles.Rows: the byte offset of every row, 16 bytes a row), not their parsed
     rows: a worker parses a shard's rows as it tokenises them, beside the device. Handed to spawned workers in their
-    arguments, the plan of 800k conversations (4.2 GB of JSONL) pickles to 12.8 MB in 35 ms and loads in 26 ms,
-    where rescanning the files cost each worker 18 s, and the parsed rows would pickle to 4.2 GB (25 s out, 37 s
-    in, per worker) after a 44 s parse (2-core CPU, 2026-12-03).
+    arguments, the plan of 800k conversations (4.2 GB of JSONL) pickles to 12.8 MB in 32-35 ms and loads in 21-26
+    ms, where rescanning the files cost each worker 18-29 s, and the parsed rows would pickle to 4.2 GB (22-25 s
+    out, 33-37 s in, per worker) after a 44-48 s parse (bench/plan_handoff.py, 2-core CPU, 2026-12-03).
     """
 
     rows: Sequence[Row]

@@ -34,6 +34,16 @@ def write_rows(path: Path, n: int, seed: int = 0) -> None:
             f.write(json.dumps({"messages": msgs}) + "\n")
 
 
+def _round_trip(obj: object) -> tuple[int, float, float]:
+    """Return (pickled bytes, seconds to pickle, seconds to load) of obj."""
+    t = time.perf_counter()
+    blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    dump_s = time.perf_counter() - t
+    t = time.perf_counter()
+    pickle.loads(blob)
+    return len(blob), dump_s, time.perf_counter() - t
+
+
 def main() -> None:
     from dflash.chatfiles import read_rows
 
@@ -50,27 +60,17 @@ def main() -> None:
     t = time.perf_counter()
     rows = read_rows([str(data)])
     scan_s = time.perf_counter() - t
-    t = time.perf_counter()
-    blob = pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
-    dump_s = time.perf_counter() - t
-    t = time.perf_counter()
-    pickle.loads(blob)
-    load_s = time.perf_counter() - t
+    size, dump_s, load_s = _round_trip(rows)
     print(f"{len(rows):,} rows, {data.stat().st_size / 1e9:.2f} GB: index scanned in {scan_s:.1f} s, pickled to "
-          f"{len(blob) / 1e6:.1f} MB in {dump_s * 1e3:.0f} ms, loaded in {load_s * 1e3:.0f} ms")
+          f"{size / 1e6:.1f} MB in {dump_s * 1e3:.0f} ms, loaded in {load_s * 1e3:.0f} ms")
     n = min(args.sample, len(rows))
     t = time.perf_counter()
     parsed = rows[0:n]
     parse_s = time.perf_counter() - t
-    t = time.perf_counter()
-    blob = pickle.dumps(parsed, protocol=pickle.HIGHEST_PROTOCOL)
-    dump_s = time.perf_counter() - t
-    t = time.perf_counter()
-    pickle.loads(blob)
-    load_s = time.perf_counter() - t
+    size, dump_s, load_s = _round_trip(parsed)
     k = len(rows) / n
     print(f"parsed rows, {n:,} measured and scaled x{k:.1f}: parse {parse_s * k:.0f} s, pickle "
-          f"{len(blob) * k / 1e9:.1f} GB in {dump_s * k:.0f} s, load {load_s * k:.0f} s")
+          f"{size * k / 1e9:.1f} GB in {dump_s * k:.0f} s, load {load_s * k:.0f} s")
 
 
 if __name__ == "__main__":

@@ -355,7 +355,7 @@ def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.de
     from dflash.target.load import load_for_features
     from dflash.target.runner import TargetRunner, pad_batch
     from dflash.chatfiles import read_rows
-    from dflash.extract.plan import pack_batches, shard_ranges
+    from dflash.extract.plan import make_plan, pack_batches, scan_rows
     from dflash.extract.template import ChatEncoder, load_template
     from dflash.extract.worker import prepare_shard
     from dflash.storage import Store
@@ -365,9 +365,10 @@ def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.de
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     encoder = ChatEncoder(tokenizer, load_template(tokenizer, None), cfg.max_length)
     rows = read_rows(cfg.data)
+    plan = make_plan(header, rows, scan_rows(rows, cfg.max_length), (), cfg.out, [str(device)])
     batches = []
-    for a, b in shard_ranges(len(rows), header["shard_plan"]["rows_per_shard"]):
-        samples, _ = prepare_shard(rows[a:b], encoder, cfg.min_loss_tokens, False)
+    for s in range(plan.num_shards):
+        samples, _ = prepare_shard(plan.shard_rows(s)[2], encoder, cfg.min_loss_tokens, False)
         lengths = [len(s.input_ids) for s in samples]
         batches += [pad_batch([samples[i].input_ids for i in idx], 0) for idx in pack_batches(lengths, cfg.batch_tokens)]
     model = load() if load is not None else load_for_features(cfg.model, device, torch.bfloat16)

@@ -93,7 +93,7 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
     from dflash.target.runner import TargetRunner
     from dflash.extract.header import build_header
     from dflash.extract.orchestrate import _model_files
-    from dflash.extract.plan import shard_ranges
+    from dflash.extract.plan import make_plan, scan_rows
     from dflash.extract.template import ChatEncoder, load_template
     from dflash.extract.worker import prepare_shard
 
@@ -108,20 +108,22 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
     model_config, tokenizer = _model_files(cfg.model)
     template = load_template(tokenizer, cfg.chat_template)
     rows = read_rows(cfg.data)
-    header = build_header(cfg, model_config, tokenizer, template, rows)
+    scan = scan_rows(rows, cfg.max_length)
+    header = build_header(cfg, model_config, tokenizer, template, scan)
     encoder = ChatEncoder(tokenizer, template, cfg.max_length, cfg.chat_template_kwargs)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     t0 = time.perf_counter()
     runner = TimedRunner(TargetRunner(load_for_features(cfg.model, device, torch.bfloat16), header["layer_ids"]))
     print(f"target loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-    ranges = shard_ranges(len(rows), header["shard_plan"]["rows_per_shard"])
+    plan = make_plan(header, rows, scan, (), cfg.out, [str(device)])
     t0 = time.perf_counter()
-    shards = [prepare_shard(rows[a:b], encoder, cfg.min_loss_tokens, False)[0] for a, b in ranges]
+    shards = [prepare_shard(plan.shard_rows(s)[2], encoder, cfg.min_loss_tokens, False)[0]
+              for s in range(plan.num_shards)]
     tokens = sum(len(s.input_ids) for sh in shards for s in sh)
     print(f"{len(rows)} rows, {len(shards)} shards, {tokens:,} tokens tokenised in {time.perf_counter() - t0:.1f} s "
           "(one thread, nothing beside it)", flush=True)
-    return {"cfg": cfg, "header": header, "rows": rows, "encoder": encoder, "pad": pad, "runner": runner,
-            "ranges": ranges, "shards": shards, "tokens": tokens, "device": device}
+    return {"cfg": cfg, "header": header, "plan": plan, "encoder": encoder, "pad": pad, "runner": runner,
+            "shards": shards, "tokens": tokens, "device": device}
 
 
 def _alloc_stats(device: torch.device) -> dict[str, int]:
@@ -181,8 +183,8 @@ def run_variant(name: str, ctx: dict[str, Any]) -> dict[str, Any]:
                     if not tokenise:
                         return ctx["shards"][shard_id], {}
                     with tl.stage("tokenise", shard_id, main=False):
-                        a, b = ctx["ranges"][shard_id]
-                        return prepare_shard(ctx["rows"][a:b], ctx["encoder"], cfg.min_loss_tokens, False)[0], {}
+                        rows = ctx["plan"].shard_rows(shard_id)[2]
+                        return prepare_shard(rows, ctx["encoder"], cfg.min_loss_tokens, False)[0], {}
 
                 spec = WorkerSpec(device=str(device), index=0, header=store.header, writer_threads=threads)
                 extra = fill_shards(store, samples_for, pipe, lambda e: None, spec, writer_threads=threads,

@@ -97,8 +97,8 @@ def _train(folder, target, prompts, answers, layer_ids, mask_id, steps: int, blo
 
 
 def _score(target, drafter, prompts, stored, layer_ids, tokens: int, stops) -> dict:
-    from dflash.decode.speculative import (block_anchors, decoding_walk, drafter_proposer, speculative_decode,
-                                       teacher_forced)
+    from dflash.decode.drafting import block_anchors, decoding_walk, drafter_proposer, teacher_forced
+    from dflash.decode.speculative import speculative_decode
 
     B = drafter.config.block_size
     propose = drafter_proposer(drafter, target)

@@ -68,7 +68,8 @@ def run_prompt_eval(cfg: "EvalConfig", folder: Path, record: dict[str, Any] | No
     import torch
     from transformers import AutoTokenizer
 
-    from .speculative import compare_one, drafter_proposer, load_target, static_decoder, summarize
+    from .drafting import drafter_proposer
+    from .speculative import compare_one, load_target, static_decoder, summarize
     from .tree import tree_decoders
     from ..runtime import Progress
     from ..drafter.files import load_drafter

@@ -28,7 +28,7 @@ from ..drafter.tree import ancestor_mask, build_tree
 from ..errors import InputError
 from ..target.static_kv import StaticTarget, fast_unsupported
 from .decoded import Decoded, cut_at_stop
-from .speculative import drafter_proposer
+from .drafting import drafter_proposer
 
 __all__ = ["tree_unsupported", "check_tree", "check_greedy", "TreeDecoder", "tree_decoders"]
 

@@ -4,22 +4,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..conversations import generated_by
 from ..errors import ConfigError, InputError
 from ..facts import NUM_FEATURE_LAYERS, build_target_layer_ids, validate_layer_ids
-from ..chatfiles import Row, fingerprint, input_files
+from ..chatfiles import fingerprint, input_files
 from ..target.adapter import text_config
-from .plan import default_shard_size, shard_ranges
+from .plan import RowScan, default_shard_size, shard_record
 from .template import text_hash
 
 if TYPE_CHECKING:
     from ..config import ExtractConfig
 
-__all__ = ["resolve_mask_token", "resolve_layers", "captured_depth", "estimate_tokens_per_row", "build_header",
+__all__ = ["resolve_mask_token", "resolve_layers", "captured_depth", "build_header",
            "tokenizer_hash", "target_fingerprint", "in_form_of"]
 
 log = logging.getLogger(__name__)
@@ -62,16 +61,6 @@ def captured_depth(explicit: tuple[int, ...] | None, model_config: Any) -> int |
         return None if num_layers is None else max(resolve_layers(explicit, int(num_layers))) + 1
     except ConfigError:
         return None
-
-
-def estimate_tokens_per_row(rows: Iterable[Row], max_length: int) -> float:
-    """Return a deterministic estimate of tokens per row (about 3.5 characters a token plus turn markup)."""
-    total, good = 0.0, 0
-    for r in rows:  # streamed: the rows are read, not held
-        if r.messages:
-            total += min(max_length, sum(len(m["content"]) for m in r.messages) / 3.5 + 8 * len(r.messages))
-            good += 1
-    return max(1.0, total / good) if good else 1.0
 
 
 def tokenizer_hash(tokenizer: Any) -> str:
@@ -179,24 +168,17 @@ def in_form_of(header: dict[str, Any], stored: dict[str, Any] | None) -> dict[st
     return legacy
 
 
-def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, template: str, rows: list[Row]) -> dict[str, Any]:
-    """Return the header this run's store must have; any difference from an existing store is a mismatch."""
+def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, template: str,
+                 scan: RowScan) -> dict[str, Any]:
+    """Return the header this run's store must have (scan: plan.scan_rows of the data); any difference from an
+    existing store is a mismatch."""
     text = text_config(model_config)  # a multimodal wrapper's language model keeps these fields nested
     num_layers = int(text.num_hidden_layers)
     layer_ids = resolve_layers(cfg.layers, num_layers)
     hidden = int(text.hidden_size)
     mask = resolve_mask_token(int(text.vocab_size), len(tokenizer), cfg.mask_token_id, cfg.model)
-    bad: dict[str, int] = {}
-
-    def counted(rows: Iterable[Row]) -> Iterator[Row]:
-        for r in rows:
-            if r.error:
-                bad[r.error] = bad.get(r.error, 0) + 1
-            yield r
-
-    # One pass over the data: the size estimate and the bad-row counts.
-    per_row = estimate_tokens_per_row(counted(rows), cfg.max_length)
-    shard_size = cfg.shard_size or default_shard_size(per_row, len(layer_ids) * hidden * 2)
+    num_rows = len(scan.tokens)
+    shard_size = cfg.shard_size or default_shard_size(scan.tokens_per_row(), len(layer_ids) * hidden * 2)
     files = input_files(cfg.data)
     config_file = Path(cfg.model) / "config.json"
     archs = getattr(model_config, "architectures", None) or [type(model_config).__name__]
@@ -230,13 +212,9 @@ def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, templa
         "dataset": {
             "fingerprint": fingerprint(files),
             "files": [f.name for f in files],
-            "rows": len(rows),
-            "bad_rows": dict(sorted(bad.items())),
+            "rows": num_rows,
+            "bad_rows": dict(sorted(scan.bad.counts.items())),
             "generated_by": {f.name: g for f in files if (g := generated_by(f)) is not None},
         },
-        "shard_plan": {
-            "num_rows": len(rows),
-            "rows_per_shard": shard_size,
-            "num_shards": len(shard_ranges(len(rows), shard_size)),
-        },
+        "shard_plan": shard_record(num_rows, shard_size),
     }

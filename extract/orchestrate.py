@@ -21,18 +21,6 @@ __all__ = ["run"]
 log = logging.getLogger(__name__)
 
 
-def _bad_rows(rows: Any, strict: bool) -> BadRowLog:
-    """Return the rows that cannot be used, by reason (one pass over the data); --strict stops at the first."""
-    bad = BadRowLog()
-    for r in rows:
-        if r.error:
-            if strict:
-                raise InputError(f"{r.where}: bad row ({r.error}: {r.detail}); fix or remove it, or rerun without "
-                                 "--strict")
-            bad.add(r.error, r.index, r.where, r.detail)
-    return bad
-
-
 def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{reason}: {n:,}" for reason, n in sorted(counts.items()))
 
@@ -77,42 +65,46 @@ def _resolve_dtype(cfg: "ExtractConfig", device: str, stored: dict[str, Any] | N
     return dataclasses.replace(cfg, dtype=dtype)
 
 
-def _worker_main(cfg_dict: dict[str, Any], spec: Any, report: Any) -> dict[str, Any]:
-    """Entry point of a spawned worker process: one device's share of the shards."""
+def _worker_main(cfg_dict: dict[str, Any], spec: Any, plan: Any, report: Any) -> dict[str, Any]:
+    """Entry point of a spawned worker process: one device's share of the plan's shards."""
     from ..config import ExtractConfig
     from .worker import run_worker
 
-    return run_worker(ExtractConfig.from_dict(cfg_dict), spec, None, report)
+    return run_worker(ExtractConfig.from_dict(cfg_dict), spec, plan, report)
 
 
-def _run_spawned(cfg: "ExtractConfig", specs: list[Any], progress: Any) -> list[dict[str, Any]]:
-    """Return the results of one worker process per device, folding their events into progress as they come.
+def _run_spawned(cfg: "ExtractConfig", specs: list[Any], plan: Any, progress: Any) -> list[dict[str, Any]]:
+    """Return the results of one worker process per device, each handed the plan in its arguments (its rows are
+    the data's index, a few MB: plan.ExtractionPlan says why), folding their events into progress as they come.
 
     A failed worker leaves the others to finish (and commit) their shards; a rerun redoes the rest.
     """
-    return launch(_worker_main, [(cfg.to_dict(), spec) for spec in specs], what="extract worker",
+    return launch(_worker_main, [(cfg.to_dict(), spec, plan) for spec in specs], what="extract worker",
                   on_event=progress.update, stop_all_on_error=False)
 
 
-def _plan(cfg: "ExtractConfig", header: dict[str, Any], rows: list[Any], tokenizer: Any, template: str, devices: list[str]) -> Any:
-    """Return the plan (printed for --dry-run); StoreError when the shards still to write would not fit."""
+def _plan(cfg: "ExtractConfig", header: dict[str, Any], rows: Any, scan: Any, devices: list[str]) -> Any:
+    """Return the run's plan.ExtractionPlan: its shards against those an existing store of this header has
+    committed."""
     from ..storage import Store
-    from .dry_run import check_fits, estimate_plan, format_plan, make_plan
-    from .template import ChatEncoder
+    from .plan import make_plan
 
     try:
-        committed = set(Store.open(cfg.out, expected=header).committed_ids())
+        committed = Store.open(cfg.out, expected=header).committed_ids()
     except StoreError:  # no store yet, or another header's (opening it for writing reports it, or replaces a
-        committed = set()  # skeleton): its shards are not this run's
-    if not cfg.dry_run:
-        # A plain run checks an estimate (no second model load, no extra tokenising pass); --dry-run measures.
-        plan = estimate_plan(cfg, header, rows, committed)
-        check_fits(plan, cfg.out)
-        return plan
+        committed = []  # skeleton): its shards are not this run's
+    return make_plan(header, rows, scan, committed, cfg.out, devices)
+
+
+def _dry_run(cfg: "ExtractConfig", header: dict[str, Any], plan: Any, tokenizer: Any, template: str) -> dict[str, Any]:
+    """Print the plan measured (extract/dry_run.py) and return it as `dflash extract --dry-run`'s result."""
+    from .dry_run import format_plan, measure
+    from .template import ChatEncoder
+
     encoder = ChatEncoder(tokenizer, template, cfg.max_length, cfg.chat_template_kwargs)
-    plan = make_plan(cfg, header, rows, encoder, committed=committed, whole=True, devices=devices)
-    click.echo(format_plan(plan, cfg.out, cfg.codec))
-    return plan
+    dry = measure(cfg, header, plan, encoder)
+    click.echo(format_plan(dry, cfg.out, cfg.codec))
+    return {"plan": dry.to_dict()}
 
 
 def _timed_imports(tl: Any) -> None:
@@ -154,8 +146,8 @@ def _load_beside(cfg: "ExtractConfig", devices: list[str], complete: bool) -> bo
     One device in this process: its target is checked and loaded from the moment device and dtype are known,
     beside reading the data, the header, the plan, the store and the first shard's tokenising (extract/loader.py
     says why that is safe). A dry run measures with its own load; a complete store needs no model. Several
-    devices keep the in-line load in each spawned worker: there it could only hide the worker's own row reading
-    and tokenizer load (a second or two; header, plan and store were made by this process before it spawned),
+    devices keep the in-line load in each spawned worker: there it could only hide the worker's tokenizer load
+    (a second or so; header, plan and store were made by this process before it spawned),
     and all workers loading at once share the disk, so the load is the critical path either way.
     """
     return len(devices) == 1 and not cfg.dry_run and not complete
@@ -224,6 +216,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
     from ..errors import DflashError
     from ..storage import Store
     from .header import build_header, in_form_of
+    from .plan import scan_rows
     from .progress import Progress, format_summary, summarise
     from .template import load_template
     from .worker import WorkerSpec, auto_writer_threads, feature_runner, host_buffers
@@ -238,16 +231,17 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
             rows = read_rows(cfg.data)
         log.info("read %d rows of %s in %.1f s", len(rows), ", ".join(cfg.data), time.perf_counter() - t0)
         plan_t0 = time.perf_counter()
-        bad = _bad_rows(rows, cfg.strict)
-        report_bad_rows(bad)
-        _require_usable(bad, len(rows), cfg.data)
-        header = in_form_of(build_header(cfg, model_config, tokenizer, template, rows), stored)
+        scan = scan_rows(rows, cfg.max_length, cfg.strict)  # the one pass that parses every row here
+        report_bad_rows(scan.bad)
+        _require_usable(scan.bad, len(rows), cfg.data)
+        header = in_form_of(build_header(cfg, model_config, tokenizer, template, scan), stored)
         # The pinned host buffers are page-locked on a thread from here, beside the target's load.
         buffers = host_buffers(cfg, header, devices[0]) if loader is not None else None
-        if cfg.dry_run or not cfg.force:
-            plan = _plan(cfg, header, rows, tokenizer, template, devices)
-            if cfg.dry_run:
-                return {"plan": plan.to_dict()}
+        plan = _plan(cfg, header, rows, scan, devices)
+        if cfg.dry_run:
+            return _dry_run(cfg, header, plan, tokenizer, template)
+        if not cfg.force:  # an estimate: no second model load, no extra tokenising pass (--dry-run measures)
+            plan.check_fits(cfg.out)
         tl.add("plan", time.perf_counter() - plan_t0)
         runner, runner_t0 = None, time.perf_counter()
         if loader is not None:
@@ -280,13 +274,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
         raise StoreError(f"--out {cfg.out}: cannot write the store there ({e.strerror}); pass a writable --out, "
                          "or make this one writable and rerun the same command") from None
     tl.add("store", time.perf_counter() - store_t0)
-    plan = header["shard_plan"]
-    left = sum(
-        min(plan["rows_per_shard"], plan["num_rows"] - s * plan["rows_per_shard"])
-        for s in range(plan["num_shards"])
-        if s not in committed
-    )
-    progress = Progress(left, show=rank == 0)
+    progress = Progress(plan.rows_of(plan.left(committed)), show=rank == 0)
     base = 0 if local_rank is None else rank
     threads = cfg.writer_threads or auto_writer_threads(len(devices))
     specs = [WorkerSpec(device=d, index=base + i, header=store.header, writer_threads=threads)
@@ -294,11 +282,11 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
     log.info(
         "extract %s: %d rows in %d shards (%d committed), layers %s, mask token %d, %d worker(s) on %s, %d writer "
         "threads each",
-        cfg.out, plan["num_rows"], plan["num_shards"], len(committed), header["layer_ids"], header["mask_token_id"],
+        cfg.out, len(plan.rows), plan.num_shards, len(committed), header["layer_ids"], header["mask_token_id"],
         len(devices), ",".join(devices), threads,
     )
     try:
-        results = _run_workers(cfg, specs, rows, progress, tl, tokenizer, template, runner, runner_s, buffers)
+        results = _run_workers(cfg, specs, plan, progress, tl, tokenizer, template, runner, runner_s, buffers)
     except Exception:
         # A run that made this store and failed before its first commit (a target that fails to load, weights that
         # are not finite, a self-check that refuses) leaves no skeleton behind; peers launched beside it may still
@@ -328,7 +316,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
     return summary
 
 
-def _run_workers(cfg: "ExtractConfig", specs: list[Any], rows: Any, progress: Any, tl: Any, tokenizer: Any,
+def _run_workers(cfg: "ExtractConfig", specs: list[Any], plan: Any, progress: Any, tl: Any, tokenizer: Any,
                  template: str, runner: Any, runner_s: float, buffers: Any) -> list[dict[str, Any]]:
     """Return each worker's result: the one in this process (with the target's runner already made and checked
     when there is one, and the seconds waited for it), or the spawned ones."""
@@ -339,9 +327,9 @@ def _run_workers(cfg: "ExtractConfig", specs: list[Any], rows: Any, progress: An
         # The tokenizer read above serves the worker too (a second load cost a second of start-up).
         encoder = (ChatEncoder(tokenizer, template, cfg.max_length, cfg.chat_template_kwargs),
                    tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-        return [run_worker(cfg, specs[0], rows, progress.update, timeline=tl, encoder=encoder,
+        return [run_worker(cfg, specs[0], plan, progress.update, timeline=tl, encoder=encoder,
                            runner=runner, runner_s=runner_s, buffers=buffers)]
-    return _run_spawned(cfg, specs, progress)
+    return _run_spawned(cfg, specs, plan, progress)
 
 
 def _report_timelines(cfg: "ExtractConfig", results: list[dict[str, Any]], own: Any) -> None:

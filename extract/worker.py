@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import InputError, StoreError
 from ..chatfiles import BadRowLog, Row
-from .plan import shard_ranges
+from .plan import claim_order
 
 if TYPE_CHECKING:
     from ..config import ExtractConfig
@@ -172,11 +172,11 @@ def open_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str,
     return encoder, feature_pipeline(cfg, header, device, pad_id, on_batch)
 
 
-def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, report: Report, *,
+def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report, *,
                timeline: Any = None, encoder: tuple[Any, int] | None = None,
                runner: Any = None, runner_s: float = 0.0, buffers: Any = None) -> dict[str, Any]:
-    """Return this worker's totals (and its timeline) after it has filled every shard it could claim; report()
-    gets progress events.
+    """Return this worker's totals (and its timeline) after it has filled every shard of the plan (the parent's
+    plan.ExtractionPlan: rows and shard ranges) it could claim; report() gets progress events.
 
     timeline: the run's Timeline when the worker runs in the command's own process (else one from this process's
     start); encoder: (chat encoder, pad id) already made; runner: the target's runner already made and checked
@@ -185,14 +185,10 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, r
     pipeline's host buffers already being allocated (worker.host_buffers).
     """
     from ..storage import Store
-    from ..chatfiles import read_rows
     from .timeline import Timeline
 
     tl = timeline if timeline is not None else Timeline()
     t_start = time.perf_counter()
-    if rows is None:
-        with tl.stage("read"):
-            rows = read_rows(cfg.data)
     header = spec.header
     with tl.stage("store"):
         store = Store.open(cfg.out, expected=header)
@@ -211,13 +207,11 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, rows: list[Row] | None, r
         loaded["load_s"] = runner_s + time.perf_counter() - t_start
         return pipeline
 
-    ranges = shard_ranges(len(rows), header["shard_plan"]["rows_per_shard"])
-
     def samples_for(shard_id: int) -> tuple[list[Any], dict[str, Any]]:
         with tl.stage("tokenise", shard_id, main=False):
-            start, stop = ranges[shard_id]
+            start, stop, rows = plan.shard_rows(shard_id)
             altered = BadRowLog()
-            samples, dropped = prepare_shard(rows[start:stop], encoder, cfg.min_loss_tokens, cfg.strict, altered)
+            samples, dropped = prepare_shard(rows, encoder, cfg.min_loss_tokens, cfg.strict, altered)
         report({"kind": "dropped", "worker": spec.index, "samples": stop - start - len(samples)})
         return samples, {"rows": [start, stop], "dropped": dropped.to_dict(), "altered": altered.to_dict()}
 
@@ -257,10 +251,6 @@ def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report
     done: list[int] = []
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    # Start each worker at a different shard so peers do not race for the same claim first.
-    committed = set(store.committed_ids())
-    todo = [s for s in range(store.num_shards) if s not in committed]
-    k = spec.index % max(1, len(todo))
 
     def claim(shard_id: int) -> Any:
         writer = store.try_claim(shard_id, threads=writer_threads)
@@ -269,7 +259,7 @@ def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report
         return writer
 
     def claims() -> Any:
-        for shard_id in todo[k:] + todo[:k]:
+        for shard_id in claim_order(store.num_shards, store.committed_ids(), spec.index):
             if (writer := claim(shard_id)) is not None:
                 yield shard_id, writer
         # A peer killed while we ran still "holds" its claims, and nobody would redo them until the next run:

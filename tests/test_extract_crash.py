@@ -192,17 +192,21 @@ def test_spawned_workers_split_the_shards(crash_data, tiny_qwen3, reference, tmp
     from dflash.chatfiles import read_rows
     from dflash.extract.header import build_header
     from dflash.extract.orchestrate import _run_spawned
+    from dflash.extract.plan import make_plan, scan_rows
     from dflash.extract.progress import Progress
     from dflash.extract.template import load_template
     from dflash.extract.worker import WorkerSpec
 
     cfg = extract_config(tiny_qwen3, crash_data, tmp_path / "store", shard_size=1)
     tok = AutoTokenizer.from_pretrained(cfg.model)
-    header = build_header(cfg, AutoConfig.from_pretrained(cfg.model), tok, load_template(tok, None), read_rows(cfg.data))
+    rows = read_rows(cfg.data)
+    scan = scan_rows(rows, cfg.max_length)
+    header = build_header(cfg, AutoConfig.from_pretrained(cfg.model), tok, load_template(tok, None), scan)
     store = Store.create_or_open(cfg.out, header)
+    plan = make_plan(header, rows, scan, (), cfg.out, ["cpu", "cpu"])  # the parent's plan, handed to both
     progress = Progress(40, show=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned interpreters
-    results = _run_spawned(cfg, [WorkerSpec("cpu", i, store.header) for i in range(2)], progress)
+    results = _run_spawned(cfg, [WorkerSpec("cpu", i, store.header) for i in range(2)], plan, progress)
     assert sum(r["shards"] for r in results) == store.num_shards and all(r["shards"] > 0 for r in results)
     assert progress.samples == len(reference)
     _assert_same(store_samples(cfg.out), reference)

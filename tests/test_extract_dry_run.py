@@ -33,15 +33,17 @@ def test_dry_run_projects_the_written_store_within_5_percent(conversations, tiny
     assert plan["free_bytes"] > 0 and plan["extract_s"] is not None
     summary = run(extract_config(tiny_qwen3, conversations, out, shard_size=10, codec=codec))
     assert (plan["samples"], plan["tokens"]) == (summary["samples"], summary["tokens"])
+    # The plan printed is the one the run extracted: its shards are the store's.
+    assert (plan["rows"], plan["shards"], plan["shards_left"]) == (40, Store.open(str(out)).num_shards, 4)
     assert plan["projected_bytes"] == pytest.approx(store_bytes(out), rel=0.05)
 
 
 def test_extract_refuses_a_store_larger_than_the_free_space_unless_forced(conversations, tiny_qwen3, tmp_path,
                                                                            monkeypatch):
-    from dflash.extract import dry_run
+    from dflash.extract import plan
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(dry_run.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     cfg = extract_config(tiny_qwen3, conversations, tmp_path / "store", shard_size=10)
     # The way out it suggests says what fp8 saves and what it was measured to cost the drafter.
     with pytest.raises(StoreError, match=r"needs .* more but .* has 1.00 KB free; pass --codec fp8 \(about 0.43x of "

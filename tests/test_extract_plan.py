@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash.errors import ConfigError, InputError
-from dflash.extract.header import estimate_tokens_per_row, resolve_layers, resolve_mask_token
-from dflash.extract.plan import default_shard_size, pack_batches, padding_fraction, shard_ranges
+from dflash.extract.header import resolve_layers, resolve_mask_token
+from dflash.extract.plan import (claim_order, default_shard_size, make_plan, pack_batches, padding_fraction, scan_rows,
+                                 shard_ranges)
 
 
 @pytest.mark.parametrize("num_rows", [0, 1, 7, 100, 1001])
@@ -66,4 +67,38 @@ def test_layers_and_mask_token_resolution():
         resolve_mask_token(100, 100, None, "m")
     with pytest.raises(ConfigError, match="outside the target's embedding rows"):
         resolve_mask_token(100, 90, 100, "m")
-    assert estimate_tokens_per_row([], 100) == 1.0
+    assert scan_rows([], 100).tokens_per_row() == 1.0
+
+
+@pytest.mark.parametrize("num_shards", [0, 1, 5, 12])
+@pytest.mark.parametrize("committed", [(), (0,), (1, 3, 4)])
+@pytest.mark.parametrize("workers", [1, 2, 8])
+def test_claim_order_offers_every_shard_left_once_from_different_starts(num_shards, committed, workers):
+    left = [s for s in range(num_shards) if s not in committed]
+    orders = [claim_order(num_shards, committed, w) for w in range(workers)]
+    assert all(sorted(o) == left for o in orders)
+    firsts = [o[0] for o in orders if o]
+    assert len(set(firsts)) == min(workers, len(left))
+
+
+def test_the_plan_hands_workers_the_data_index_not_its_parsed_rows(tmp_path):
+    # The plan travels to every spawned worker: it must stay small however long the conversations are.
+    import json
+    import pickle
+
+    from dflash.chatfiles import read_rows
+
+    data = tmp_path / "conv.jsonl"
+    turn = [{"role": "user", "content": "q" * 5000}, {"role": "assistant", "content": "a" * 5000}]
+    data.write_text("".join(json.dumps({"messages": turn}) + "\n" for _ in range(40)) + "not json\n")
+    rows = read_rows([str(data)])
+    scan = scan_rows(rows, 256)
+    assert scan.bad.counts == {"malformed_json": 1} and scan.tokens_per_row() == 256
+    header = {"shard_plan": {"num_rows": 41, "rows_per_shard": 6}, "layer_ids": [1, 2], "hidden_size": 8,
+              "codec": "none"}
+    plan = make_plan(header, rows, scan, [1, 6], str(tmp_path / "store"), ["cpu"])
+    assert plan.ranges == tuple(shard_ranges(41, 6)) and plan.left() == [0, 2, 3, 4, 5]
+    assert plan.rows_of(plan.left()) == 30 and plan.tokens_left == 30 * 256
+    back = pickle.loads(pickle.dumps(plan))
+    assert len(pickle.dumps(plan)) < data.stat().st_size // 20
+    assert back.shard_rows(6) == (36, 41, rows[36:41]) and back.shard_rows(6)[2][-1].error == "malformed_json"

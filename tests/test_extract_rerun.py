@@ -101,6 +101,7 @@ def test_refused_runs_leave_no_store_and_a_skeleton_is_replaced(tiny_qwen3, data
     import torch
 
     from dflash.extract.header import build_header
+    from dflash.extract.plan import scan_rows
 
     out = tmp_path / "store"
     if not torch.cuda.is_available():
@@ -120,7 +121,7 @@ def test_refused_runs_leave_no_store_and_a_skeleton_is_replaced(tiny_qwen3, data
     first = extract_config(tiny_qwen3, data_file, out, layers=(1, 2))
     tok = AutoTokenizer.from_pretrained(tiny_qwen3)
     Store.create_or_open(str(out), build_header(first, AutoConfig.from_pretrained(tiny_qwen3), tok,
-                                                 tok.chat_template, read_rows(first.data)))
+                                                 tok.chat_template, scan_rows(read_rows(first.data), first.max_length)))
     run(extract_config(tiny_qwen3, data_file, out))
     store = Store.open(str(out))
     assert store.is_complete() and store.header["layer_ids"] == [1, 2, 3, 4, 5]

@@ -9,17 +9,8 @@ import torch
 from dflash.errors import InputError
 from dflash.facts import build_target_layer_ids
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
-from dflash.decode.speculative import (
-    block_anchors,
-    compare_on_prompts,
-    decoding_walk,
-    drafter_proposer,
-    greedy_decode,
-    load_target,
-    speculative_decode,
-    summarize,
-    teacher_forced,
-)
+from dflash.decode.drafting import block_anchors, decoding_walk, drafter_proposer, teacher_forced
+from dflash.decode.speculative import compare_on_prompts, greedy_decode, load_target, speculative_decode, summarize
 from dflash.train.checkpoint import open_drafter
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8, 250, 11, 60], [33]]

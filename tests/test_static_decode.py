@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.decode.speculative import greedy_decode, load_target, speculative_decode, drafter_proposer
+from dflash.decode.drafting import drafter_proposer
+from dflash.decode.speculative import greedy_decode, load_target, speculative_decode
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.decode.static import StaticDecoder
 from dflash.facts import build_target_layer_ids

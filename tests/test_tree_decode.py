@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash.decode.speculative import drafter_proposer, greedy_decode, load_target
+from dflash.decode.drafting import drafter_proposer
+from dflash.decode.speculative import greedy_decode, load_target
 from dflash.decode.static_tree import StaticTreeDecoder
 from dflash.decode.tree import TreeDecoder, tree_decoders, tree_unsupported
 from dflash.drafter.tree import ancestor_mask, build_tree, device_tree, level_pairs

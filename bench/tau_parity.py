@@ -67,7 +67,8 @@ def _features(target, ids: list[int], layer_ids) -> torch.Tensor:
 
 
 def _train(folder, target, prompts, answers, layer_ids, mask_id, steps: int, block: int):
-    from dflash.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.model import DFlashDrafter
     from dflash.target.head import load_target_head
     from dflash.train.objective import drafter_loss, pack_batch
 

@@ -23,7 +23,8 @@ import torch
 
 from ..atomic import write_atomic
 from ..errors import DflashError, InputError
-from .model import DFlashDrafter, DrafterConfig
+from .config import DrafterConfig
+from .model import DFlashDrafter
 
 __all__ = [
     "WEIGHTS",

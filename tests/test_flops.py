@@ -7,7 +7,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dflash.drafter.attention import dense_masks
 from dflash.drafter.flops import step_flops
-from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.model import DFlashDrafter
 from dflash.train.objective import drafter_loss, pack_batch
 
 V, H = 96, 32

@@ -9,7 +9,7 @@ from torch.nn import functional as F
 
 from dflash.drafter.attention import bucket, dense_masks
 from dflash.drafter.linear_ce import chunked_linear_ce, chunked_linear_ce_rows
-from dflash.drafter.model import DrafterConfig
+from dflash.drafter.config import DrafterConfig
 from dflash.train.objective import (
     Metrics,
     block_metrics,

@@ -8,7 +8,8 @@ import torch
 
 from dflash.errors import InputError
 from dflash.facts import build_target_layer_ids
-from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.model import DFlashDrafter
 from dflash.decode.speculative import (
     block_anchors,
     compare_on_prompts,

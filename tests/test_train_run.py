@@ -267,7 +267,8 @@ def test_a_corrupt_shard_is_named_or_skipped_and_counted(store, tiny_qwen3, tmp_
 
 def test_eval_refuses_a_drafter_of_another_store_by_field(store, tiny_qwen3, tmp_path, capsys):
     from dflash.drafter.files import save_drafter_files
-    from dflash.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.model import DFlashDrafter
 
     cfg = DrafterConfig.from_target(tiny_qwen3, target_layer_ids=[1, 2, 3], mask_token_id=5, draft_layers=1,
                                     block_size=8)

@@ -12,7 +12,7 @@ from .prepare import lr_factor
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
-    from ..drafter.model import DrafterConfig
+    from ..drafter.config import DrafterConfig
     from .objective import Metrics
 
 log = logging.getLogger(__name__)

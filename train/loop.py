@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..drafter.config import for_store
 from ..errors import ConfigError, StoreError
 from .checkpoint import Checkpointer, rng_state, set_rng_state, write_run_record
 from .dist import Dist
@@ -19,7 +20,7 @@ from .follow import FollowRounds, estimate_total
 from .learner import Learner
 from .metrics import RunLog, Window, plot_run, require_tensorboard, truncate_metrics
 from .plan import LoaderState, Round, plan_round, planned_total
-from .prepare import (ShardLengths, check_out_folder, drafter_config, prepare_run_folder,
+from .prepare import (ShardLengths, check_out_folder, prepare_run_folder,
                       resolve_train_dtype, resume_grad_accum, run_record, warn_cpu_sizes)
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class Trainer:
         if dist.rank == 0 and dist.device.type == "cpu":
             warn_cpu_sizes(cfg)
         self.store = wait_for_store(cfg.store) if cfg.follow else Store.open(cfg.store)
-        self.dcfg = drafter_config(cfg, self.store)
+        self.dcfg = for_store(cfg, self.store.header)
         record = run_record(cfg, self.store, self.dcfg, dist.world)
         self.run = check_out_folder(cfg.out)
         self.checkpoints = Checkpointer(self.run, cfg.keep)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ConfigError, CorruptShard, ManifestMismatch
+from ..errors import ConfigError, CorruptShard
 from .checkpoint import Checkpointer, check_resume, read_run_record
 from .plan import split_shards
 from .metrics import METRICS_FILE
@@ -18,9 +18,9 @@ from .metrics import METRICS_FILE
 if TYPE_CHECKING:
     from ..config import TrainConfig
     from ..storage import Store
-    from ..drafter.model import DrafterConfig
+    from ..drafter.config import DrafterConfig
 
-__all__ = ["preflight", "check_out_folder", "warn_cpu_sizes", "drafter_config", "run_record",
+__all__ = ["preflight", "check_out_folder", "warn_cpu_sizes", "run_record",
            "resume_grad_accum", "resolve_train_dtype", "prepare_run_folder", "ShardLengths", "lr_factor"]
 
 log = logging.getLogger(__name__)
@@ -57,28 +57,6 @@ def warn_cpu_sizes(cfg: "TrainConfig") -> None:
     if big:
         log.warning("training on a CPU with options sized for GPUs (%s): a step may take minutes; for a CPU try "
                     "--batch-tokens 2048 --anchors 64 --draft-layers 1", ", ".join(big))
-
-
-def drafter_config(cfg: "TrainConfig", store: "Store") -> "DrafterConfig":
-    """Return the drafter shape for this target and store; ManifestMismatch if they do not belong together."""
-    from .evaluate import check_compatible
-    from ..drafter.model import DrafterConfig
-
-    header = store.header
-    dcfg = DrafterConfig.from_target(
-        cfg.target, target_layer_ids=header["layer_ids"], mask_token_id=int(header["mask_token_id"]),
-        draft_layers=cfg.draft_layers, block_size=cfg.block_size, sliding_window=cfg.sliding_window,
-        full_every=cfg.full_every, drafter=cfg.drafter, conv_kernel_size=cfg.conv_kernel_size,
-        conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k,
-    )
-    check_compatible(dcfg, header, f"built from --target {cfg.target}", cfg.store)
-    layers = (header.get("target") or {}).get("num_layers")
-    if layers is not None and layers != dcfg.num_target_layers:
-        raise ManifestMismatch(
-            f"--target {cfg.target} has {dcfg.num_target_layers} decoder layers but store {cfg.store} was extracted "
-            f"from a target with {layers}; pass --target the model the store was made from"
-        )
-    return dcfg
 
 
 def run_record(cfg: "TrainConfig", store: "Store", dcfg: "DrafterConfig", world: int) -> dict[str, Any]:

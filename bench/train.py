@@ -40,7 +40,7 @@ from dflash.testing import QWEN3_8B_CONFIG
 from dflash.train.dist import Dist
 from dflash.train.plan import plan_round
 from dflash.train.learner import Learner
-from dflash.train.objective import max_blocks_for
+from dflash.train.packing import max_blocks_for
 from dflash.train.prepare import ShardLengths, drafter_config, resolve_train_dtype
 from dflash.train.stream import RoundStream, StreamSpec
 

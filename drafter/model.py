@@ -8,7 +8,7 @@ objective or to `draft_logits` / `draft_tokens`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn

@@ -15,7 +15,8 @@ from dflash.drafter.attention import make_attend
 from dflash.target.head import load_target_head
 from dflash.errors import ConfigError, ManifestMismatch
 from dflash.train.checkpoint import check_resume
-from dflash.train.objective import dpace_weights, loss_denominator, pack_batch, predict
+from dflash.train.objective import dpace_weights, loss_denominator, predict
+from dflash.train.packing import pack_batch
 from test_drafter import _drafter, _sequences
 from test_train_run import opts, store, toy_data, train  # noqa: F401  (fixtures)
 

@@ -223,7 +223,8 @@ def _fitted_drafter(tiny_qwen3, target, layer_ids, answers, block_size=4, steps=
     """Return a drafter trained by the training objective on the target's greedy answers to FIT_PROMPTS (overfit on
     purpose: it must accept some blocks and miss others)."""
     from dflash.target.head import load_target_head
-    from dflash.train.objective import drafter_loss, pack_batch
+    from dflash.train.objective import drafter_loss
+    from dflash.train.packing import pack_batch
 
     cfg = DrafterConfig.from_target(tiny_qwen3, target_layer_ids=layer_ids, mask_token_id=259, draft_layers=1,
                                     block_size=block_size)

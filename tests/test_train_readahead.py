@@ -37,7 +37,7 @@ def batches_equal(a, b) -> bool:
 
 
 def test_the_next_epochs_first_shard_is_read_before_this_epochs_last_batch_is_yielded(store):  # noqa: F811
-    from dflash.train.objective import max_blocks_for
+    from dflash.train.packing import max_blocks_for
     from dflash.train.prepare import ShardLengths
     from dflash.train.stream import RoundStream, RoundStreams, StreamSpec
 

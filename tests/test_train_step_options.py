@@ -8,7 +8,7 @@ from dflash.config import TrainConfig
 from dflash.storage import Store
 from dflash.train.dist import Dist
 from dflash.train.learner import Learner, StepOptions
-from dflash.train.objective import max_blocks_for, pack_batch
+from dflash.train.packing import max_blocks_for, pack_batch
 from dflash.drafter.config import for_store
 from test_train_run import opts, store, toy_data  # noqa: F401  (fixtures)
 

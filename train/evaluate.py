@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     import torch
 
     from ..config import EvalConfig
-    from ..drafter.config import DrafterConfig
     from ..drafter.model import DFlashDrafter
     from ..target.head import TargetHead
     from ..storage import Store
@@ -47,7 +46,8 @@ def evaluate_shards(
     """
     import torch
 
-    from .objective import batch_capacity, max_blocks_for, pack_batch, predict
+    from .objective import predict
+    from .packing import batch_capacity, max_blocks_for, pack_batch
 
     cfg = model.config
     B = cfg.block_size

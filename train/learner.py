@@ -54,7 +54,7 @@ class Learner:
 
         from ..drafter.model import DFlashDrafter
         from ..target.head import load_target_head
-        from .objective import batch_capacity
+        from .packing import batch_capacity
 
         self.cfg, self.dist, dev = cfg, dist, dist.device
         self.options = options

@@ -65,7 +65,7 @@ class Trainer:
             raise
 
     def _setup(self, cfg: "TrainConfig", record: dict[str, Any]) -> None:
-        from .objective import max_blocks_for
+        from .packing import max_blocks_for
         from .stream import RoundStreams, StreamSpec
 
         dist = self.dist

@@ -110,7 +110,7 @@ class RoundStream:
         return [self.plan.batches[k][s] for k in self.slots]
 
     def _pack(self, samples: list[Sample], s: int, slot: int) -> tuple["PackedBatch | None", int]:
-        from .objective import pack_batch
+        from .packing import pack_batch
 
         seqs, skipped = [], 0
         for sid, idx, n in samples:

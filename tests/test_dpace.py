@@ -14,7 +14,7 @@ from dflash.config import DemoConfig, TrainConfig
 from dflash.drafter.attention import make_attend
 from dflash.target.head import load_target_head
 from dflash.errors import ConfigError, ManifestMismatch
-from dflash.train.checkpoint import check_resume
+from dflash.train.run_folder import check_resume
 from dflash.train.objective import dpace_weights, loss_denominator, predict
 from dflash.train.packing import pack_batch
 from test_drafter import _drafter, _sequences

@@ -21,7 +21,7 @@ from dflash.decode.speculative import (
     summarize,
     teacher_forced,
 )
-from dflash.train.checkpoint import open_drafter
+from dflash.drafter.folders import open_drafter
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8, 250, 11, 60], [33]]
 
@@ -140,7 +140,8 @@ def test_compare_on_prompts_reports_tau_and_forwards(tiny_qwen3, target, layer_i
 
 def test_a_run_folder_with_its_record_opens_its_newest_checkpoint(tiny_qwen3, layer_ids, tmp_path):
     from dflash.drafter.files import save_drafter_files
-    from dflash.train.checkpoint import resolve_drafter, write_run_record
+    from dflash.drafter.folders import resolve_drafter
+    from dflash.train.run_folder import write_run_record
 
     run = tmp_path / "run"
     record = {"config": {"batch_tokens": 64, "anchors": 4}, "resolved": {"val_shards": [1]}}

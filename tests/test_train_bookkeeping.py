@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from dflash.train.checkpoint import Checkpointer, find_checkpoint, read_trainer_state
+from dflash.drafter.folders import find_checkpoint
+from dflash.train.checkpoint import Checkpointer, read_trainer_state
 from dflash.train.metrics import read_metrics
 from test_train_run import opts, store, toy_data, train  # noqa: F401  (fixtures)
 

@@ -15,8 +15,7 @@ import pytest
 
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError
-from dflash.train.checkpoint import write_run_record
-from dflash.train.prepare import resume_grad_accum
+from dflash.train.run_folder import resume_grad_accum, write_run_record
 from test_train_run import flags, losses, opts, store, toy_data, train  # noqa: F401  (fixtures)
 
 KW = dict(epochs=3, batch_tokens=256, save_every=2, keep=5)

@@ -18,7 +18,7 @@ from test_train_run import losses, opts, store, toy_data  # noqa: F401  (fixture
 def run_trainer(kw: dict) -> "object":
     """Train in this process and return the Trainer (to look at its streams afterwards)."""
     from dflash.train.loop import Trainer
-    from dflash.train.prepare import preflight
+    from dflash.train.run_folder import preflight
 
     cfg = TrainConfig(**kw)
     preflight(cfg)
@@ -38,7 +38,7 @@ def batches_equal(a, b) -> bool:
 
 def test_the_next_epochs_first_shard_is_read_before_this_epochs_last_batch_is_yielded(store):  # noqa: F811
     from dflash.train.packing import max_blocks_for
-    from dflash.train.prepare import ShardLengths
+    from dflash.train.plan import ShardLengths
     from dflash.train.stream import RoundStream, RoundStreams, StreamSpec
 
     st = Store.open(store)

@@ -128,7 +128,7 @@ def test_loss_falls_and_the_run_folder_has_everything(store, tiny_qwen3, tmp_pat
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert len(ckpts) == 2 and ckpts[-1] == f"step-{len(steps):06d}"
     assert (run / "curves.png").stat().st_size > 1000
-    from dflash.train.checkpoint import find_checkpoint
+    from dflash.drafter.folders import find_checkpoint
 
     assert find_checkpoint(run).name == ckpts[-1]
     # dflash eval on the run's held-out shards gives the final validation numbers.

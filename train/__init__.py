@@ -30,7 +30,7 @@ def run(cfg: "TrainConfig") -> None:
     """
     from ..config import resolve_devices
     from ..runtime import ranks_from_env
-    from .prepare import preflight
+    from .run_folder import preflight
 
     preflight(cfg)
     from .loop import train_rank

@@ -137,11 +137,11 @@ def run_eval(cfg: "EvalConfig") -> dict[str, Any]:
     import torch
 
     from ..drafter.files import load_drafter
+    from ..drafter.folders import resolve_drafter
     from ..target.head import load_target_head
     from ..config import DTYPES
     from ..target.numerics import compute_context, resolve_dtype
     from ..storage import Store
-    from .checkpoint import resolve_drafter
     from .plan import split_shards
 
     folder, record = resolve_drafter(cfg.drafter)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .dist import Dist
-from .prepare import lr_factor
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Learner", "StepOptions", "compiles"]
+__all__ = ["Learner", "StepOptions", "compiles", "lr_factor", "warn_cpu_sizes"]
 
 
 @dataclass(frozen=True)
@@ -188,3 +188,24 @@ def _denominator(weights: Any, position_weights: str) -> Any:
     if position_weights == "dpace":
         return (counted > 0).any(dim=1).sum().double()
     return counted.sum().double()
+
+
+def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
+    """Return the learning-rate multiplier of a step: linear warmup over warmup_ratio of the run, then cosine to 0."""
+    warm = max(1, math.ceil(warmup_ratio * total))
+    if step < warm:
+        return (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# What `dflash train` defaults to for GPUs; on a CPU they make a step take minutes.
+_GPU_SIZES = {"batch_tokens": 4096, "anchors": 128, "draft_layers": 2}
+
+
+def warn_cpu_sizes(cfg: "TrainConfig") -> None:
+    """Warn (one line) when a CPU run has options sized for GPUs."""
+    big = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k, limit in _GPU_SIZES.items() if getattr(cfg, k) > limit]
+    if big:
+        log.warning("training on a CPU with options sized for GPUs (%s): a step may take minutes; for a CPU try "
+                    "--batch-tokens 2048 --anchors 64 --draft-layers 1", ", ".join(big))

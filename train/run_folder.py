@@ -1,29 +1,47 @@
-"""What a run is made of before its first step: the store checked against the target, the drafter shape, the split,
-the run folder (new, or resumed with nothing changed), shard lengths, and the learning-rate schedule."""
+"""A run folder before its first step: --out checked, the run record (RUN/config.json: the options and what they
+resolved to) built, compared with a resumed run's and written, the lock that keeps one trainer per folder, and the
+checkpoint to resume from. The step folders inside are checkpoint.py's."""
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+import json
 import logging
-import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from ..errors import ConfigError, CorruptShard
-from .checkpoint import Checkpointer, check_resume, read_run_record
-from .plan import split_shards
+from ..atomic import write_atomic
+from ..drafter.folders import RUN_RECORD, read_run_record
+from ..errors import ConfigError, ManifestMismatch
+from ..nested import nested_diff
+from .checkpoint import Checkpointer
 from .metrics import METRICS_FILE
+from .plan import split_shards
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
-    from ..storage import Store
     from ..drafter.config import DrafterConfig
+    from ..storage import Store
 
-__all__ = ["preflight", "check_out_folder", "warn_cpu_sizes", "run_record",
-           "resume_grad_accum", "resolve_train_dtype", "prepare_run_folder", "ShardLengths", "lr_factor"]
+__all__ = ["RUN_LOCK", "RunFolder", "open_run", "check_out_folder", "preflight", "resumed_config", "run_record",
+           "resume_grad_accum", "resolve_train_dtype", "lock_run", "prepare_run_folder", "write_run_record",
+           "check_resume"]
 
 log = logging.getLogger(__name__)
+
+RUN_LOCK = "train.lock"
+# TrainConfig fields that may change between a run and its resume; every other change is refused by name.
+# (val_fraction and val_shards may: the split they resolve to, resolved.train_shards/val_shards, is compared instead.)
+RESUMABLE_CHANGES = frozenset(
+    {"resume", "epochs", "max_steps", "save_every", "save_every_minutes", "keep", "log_every", "log_every_seconds",
+     "tensorboard", "skip_corrupt", "prefetch_shards", "gpus", "follow", "out", "store", "target", "val_fraction",
+     "val_shards",
+     "grad_accum", "compile_layers"}
+)
+# Resolved facts that may change with them: another GPU count keeps the batches while the slots stay the same
+# (grad_accum = slots / world, see resume_grad_accum); resolved.num_slots itself is still checked.
+RESUMABLE_RESOLVED = ("resolved.store.path", "resolved.val_shards_note", "resolved.world_size")
 
 # Header fields that make two stores the same data for training purposes (a resumed run must see these unchanged).
 _STORE_IDENTITY = ("layer_ids", "hidden_size", "mask_token_id", "codec", "tokenizer_hash", "chat_template_hash",
@@ -45,18 +63,6 @@ def preflight(cfg: "TrainConfig") -> None:
     check_out_folder(cfg.out)
     if not cfg.follow:  # a followed store may not exist yet
         Store.open(cfg.store)
-
-
-# What `dflash train` defaults to for GPUs; on a CPU they make a step take minutes.
-_GPU_SIZES = {"batch_tokens": 4096, "anchors": 128, "draft_layers": 2}
-
-
-def warn_cpu_sizes(cfg: "TrainConfig") -> None:
-    """Warn (one line) when a CPU run has options sized for GPUs."""
-    big = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k, limit in _GPU_SIZES.items() if getattr(cfg, k) > limit]
-    if big:
-        log.warning("training on a CPU with options sized for GPUs (%s): a step may take minutes; for a CPU try "
-                    "--batch-tokens 2048 --anchors 64 --draft-layers 1", ", ".join(big))
 
 
 def run_record(cfg: "TrainConfig", store: "Store", dcfg: "DrafterConfig", world: int) -> dict[str, Any]:
@@ -83,8 +89,6 @@ def resume_grad_accum(cfg: "TrainConfig", world: int) -> "TrainConfig":
     same global batches when grad-accum = recorded slots / world; ConfigError naming the counts that divide them,
     or when --grad-accum was given (not the default 1) and makes other slots.
     """
-    import dataclasses
-
     saved = read_run_record(cfg.out) if cfg.resume else None
     slots = (saved or {}).get("resolved", {}).get("num_slots")
     if not slots or world * cfg.grad_accum == slots:
@@ -112,8 +116,6 @@ def resolve_train_dtype(cfg: "TrainConfig", dist: Any) -> "TrainConfig":
     uninterrupted" silently, while keeping them costs speed, which the warning then measures. An explicit --dtype
     that differs from the run's is refused by check_resume, as any other changed option.
     """
-    import dataclasses
-
     from ..config import DTYPES
     from ..target.numerics import resolve_dtype
 
@@ -124,6 +126,27 @@ def resolve_train_dtype(cfg: "TrainConfig", dist: Any) -> "TrainConfig":
         dtype = resolve_dtype(cfg.dtype, dist.device.type, auto=recorded if recorded in DTYPES else None,
                               auto_reason=f"the run being resumed ({Path(cfg.out) / 'config.json'}) trained in it")
     return dataclasses.replace(cfg, dtype=dist.broadcast(dtype))
+
+
+def resumed_config(cfg: "TrainConfig", dist: Any) -> "TrainConfig":
+    """Return cfg as a resumed run keeps it: its slots on this many ranks, its dtype (see the two functions)."""
+    return resolve_train_dtype(resume_grad_accum(cfg, dist.world), dist)
+
+
+def lock_run(run: Path) -> Any:
+    """Return the held RUN/train.lock (a stale one of a dead process is taken over); ConfigError naming the
+    live holder when another trainer has this run folder."""
+    from ..locks import FileLock
+
+    run.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(run / RUN_LOCK)
+    holder = lock.acquire()
+    if holder is not None:
+        raise ConfigError(
+            f"--out {run}: another `dflash train` (pid {holder.get('pid')} on host {holder.get('host')}) is "
+            f"training this run ({run / RUN_LOCK}); wait for it or stop it, or train into another --out"
+        )
+    return lock
 
 
 def prepare_run_folder(cfg: "TrainConfig", record: dict[str, Any]) -> Path | None:
@@ -146,35 +169,68 @@ def prepare_run_folder(cfg: "TrainConfig", record: dict[str, Any]) -> Path | Non
     return ckpt
 
 
-class ShardLengths:
-    """Sample lengths of each shard, read once from its small `offsets` array (corrupt shards: none, counted)."""
-
-    def __init__(self, store: "Store", skip_corrupt: bool) -> None:
-        self.store, self.skip_corrupt = store, skip_corrupt
-        self.cache: dict[int, np.ndarray] = {}
-        self.corrupt: dict[int, str] = {}
-
-    def __getitem__(self, sid: int) -> np.ndarray:
-        if sid not in self.cache:
-            try:
-                self.cache[sid] = self.store.sample_lengths(sid)
-            except CorruptShard as e:
-                if not self.skip_corrupt:
-                    raise CorruptShard(f"{e}; or rerun `dflash train` with --skip-corrupt to train without it") from None
-                log.warning("skipping corrupt shard (--skip-corrupt): %s", e)
-                self.corrupt[sid] = str(e)
-                self.cache[sid] = np.zeros(0, np.int64)
-        return self.cache[sid]
-
-    def load(self, ids: list[int]) -> dict[int, np.ndarray]:
-        """Return {id: lengths} for the shards."""
-        return {s: self[s] for s in ids}
+def write_run_record(run: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Write RUN/config.json atomically: {"config": TrainConfig fields, "resolved": facts of the run}."""
+    write_atomic(Path(run) / RUN_RECORD, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
-def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
-    """Return the learning-rate multiplier of a step: linear warmup over warmup_ratio of the run, then cosine to 0."""
-    warm = max(1, math.ceil(warmup_ratio * total))
-    if step < warm:
-        return (step + 1) / warm
-    progress = min(1.0, (step - warm) / max(1, total - warm))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+def check_resume(run: str | os.PathLike, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """Raise ManifestMismatch naming every field of the store, model shape, world or options that changed.
+
+    An option the saved record lacks was added after the run was made, which then trained as the option did before
+    it existed (config.LEGACY_DEFAULTS where today's default differs, else the default): only another value is a
+    change.
+    """
+    from ..config import LEGACY_DEFAULTS, TrainConfig
+
+    config = saved.get("config")
+    if isinstance(config, dict):
+        added = {f.name: LEGACY_DEFAULTS.get(f.name, f.default) for f in dataclasses.fields(TrainConfig)
+                 if f.name not in config and f.default is not dataclasses.MISSING}
+        saved = {**saved, "config": {**json.loads(json.dumps(added)), **config}}
+
+    def resumable(key: str) -> bool:
+        return ((key.startswith("config.") and key.split(".", 1)[1] in RESUMABLE_CHANGES)
+                or key.startswith(RESUMABLE_RESOLVED))
+
+    diffs = [f"{key}: run has {json.dumps(x)}, now {json.dumps(y)}"
+             for key, x, y in nested_diff(saved, now, ignore=resumable)]
+    if diffs:
+        shown = "; ".join(diffs[:8]) + ("; ..." if len(diffs) > 8 else "")
+        raise ManifestMismatch(
+            f"{Path(run) / RUN_RECORD}: --resume refused, the run was made with other settings ({shown}); "
+            "resume with the run's settings, or train into a new --out"
+        )
+
+
+@dataclass
+class RunFolder:
+    """An opened run folder: its path, record and checkpoints, the lock (rank 0), the checkpoint to resume from."""
+
+    path: Path
+    record: dict[str, Any]
+    checkpoints: Checkpointer
+    lock: Any
+    resume_from: Path | None
+
+    def release(self) -> None:
+        """Give up the run folder's lock (rank 0)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def open_run(cfg: "TrainConfig", store: "Store", dcfg: "DrafterConfig", dist: Any) -> RunFolder:
+    """Return the run folder of --out made ready for the first step: locked (one trainer per folder), refused if it
+    holds another run or a changed one, its record written; the lock is given up again if that fails."""
+    record = run_record(cfg, store, dcfg, dist.world)
+    run = check_out_folder(cfg.out)
+    folder = RunFolder(run, record, Checkpointer(run, cfg.keep), lock_run(run) if dist.rank == 0 else None, None)
+    try:
+        folder.resume_from = prepare_run_folder(cfg, record)
+        if dist.rank == 0:
+            write_run_record(run, record)
+    except BaseException:
+        folder.release()
+        raise
+    return folder

@@ -38,12 +38,11 @@ from dflash.storage import Store
 from dflash.storage.synthetic import activation_bits
 from dflash.testing import QWEN3_8B_CONFIG
 from dflash.train.dist import Dist
-from dflash.train.plan import plan_round
+from dflash.train.plan import ShardLengths, plan_round
 from dflash.train.learner import Learner
 from dflash.train.packing import max_blocks_for
 from dflash.drafter.config import for_store
-from dflash.train.learner import resolve_train_dtype
-from dflash.train.plan import ShardLengths
+from dflash.train.run_folder import resolve_train_dtype
 from dflash.train.stream import RoundStream, StreamSpec
 
 log = logging.getLogger("bench.train")

@@ -24,7 +24,7 @@ import torch
 from ..atomic import write_atomic
 from ..errors import DflashError, InputError
 from .config import DrafterConfig
-from .folders import DRAFTER_CONFIG, EXPORT_CONFIG, WEIGHTS
+from .folders import DRAFTER_CONFIG, EXPORT_CONFIG, WEIGHTS, resolve_drafter
 from .model import DFlashDrafter
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "check_serving_tensors",
     "write_export",
     "load_drafter",
+    "open_drafter",
 ]
 
 log = logging.getLogger(__name__)
@@ -252,3 +253,9 @@ def load_drafter(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
         model = DFlashDrafter(cfg)
     model.load_state_dict(sd, assign=True)
     return model.to(device=device, dtype=dtype or next(iter(sd.values())).dtype)
+
+
+def open_drafter(path: str | os.PathLike, *, device: Any = "cpu", dtype: Any = None) -> Any:
+    """Return the drafter (eval mode) of any folder `resolve_drafter` takes: an export, a checkpoint, a run."""
+    folder, _ = resolve_drafter(path)
+    return load_drafter(folder, device=device, dtype=dtype).eval()

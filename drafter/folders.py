@@ -6,7 +6,8 @@ folder (its newest step folder whose files match their checksums); and the run's
     RUN/checkpoints/step-NNNNNN/                       model.safetensors + drafter_config.json (+ the trainer's state)
                                checksums.json          written last: bytes and xxh3 of every other file
 
-train/checkpoint.py writes step folders; this module is how eval, export, decoding and the demo find them.
+train/checkpoint.py writes step folders; this module is how eval, export, decoding and the demo find them
+(files.open_drafter loads what it finds).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..errors import ConfigError, InputError
 
 __all__ = ["WEIGHTS", "DRAFTER_CONFIG", "EXPORT_CONFIG", "RUN_RECORD", "CHECKSUMS", "has_drafter_files", "is_export",
            "file_xxh3", "step_folders", "damage", "newest_sound", "find_checkpoint", "resolve_drafter",
-           "open_drafter", "read_run_record"]
+           "read_run_record"]
 
 log = logging.getLogger(__name__)
 
@@ -146,14 +147,6 @@ def resolve_drafter(path: str | os.PathLike) -> tuple[Path, dict[str, Any] | Non
         if record is not None:
             return folder, record
     return folder, None
-
-
-def open_drafter(path: str | os.PathLike, *, device: Any = "cpu", dtype: Any = None) -> Any:
-    """Return the drafter (eval mode) of any folder `resolve_drafter` takes: an export, a checkpoint, a run."""
-    from .files import load_drafter
-
-    folder, _ = resolve_drafter(path)
-    return load_drafter(folder, device=device, dtype=dtype).eval()
 
 
 def read_run_record(run: str | os.PathLike) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ from dflash.decode.speculative import (
     summarize,
     teacher_forced,
 )
-from dflash.drafter.folders import open_drafter
+from dflash.drafter.files import open_drafter
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8, 250, 11, 60], [33]]
 

@@ -59,7 +59,7 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_sound_one_is_taken(sto
     legacy = tmp_path / "legacy" / "checkpoints" / older.name
     shutil.copytree(older, legacy)
     (legacy / CHECKSUMS).unlink()
-    with caplog.at_level(logging.DEBUG, logger="dflash.train.checkpoint"):
+    with caplog.at_level(logging.DEBUG, logger="dflash.drafter.folders"):
         assert Checkpointer(tmp_path / "legacy").latest() == legacy
     assert any("before checkpoints carried checksums" in r.message for r in caplog.records)
     # (the CLI's logging setup replaces caplog's handler: every in-process CLI call comes after the log checks)

@@ -131,6 +131,14 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         return pending.result() if pending is not None else None
 
+    def finish(self) -> None:
+        """Let a background write finish while an interrupt or an error unwinds the run: it is published whole, or
+        its temp folder is removed and the previous checkpoint stays the newest (logged, not raised)."""
+        try:
+            self.wait()
+        except Exception as e:  # the run's own error is the one being reported
+            log.error("the checkpoint being written when the run stopped was abandoned: %s", e)
+
     def write(self, snap: Snapshot) -> Path:
         """Publish a snapshot as step-NNNNNN; return the folder.
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .dist import Dist
     from .plan import LoaderState
 
-__all__ = ["FollowedRounds", "FollowRounds", "estimate_total", "FOLLOW_AHEAD_STEPS"]
+__all__ = ["FollowedRounds", "CommitWatch", "estimate_total", "FOLLOW_AHEAD_STEPS"]
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,9 @@ def estimate_total(round_steps: int, round_shards: int, train_shards: int, epoch
     return min(total, max_steps) if max_steps else max(1, total)
 
 
-class FollowRounds:
-    """Iterable over the shard sets of follow mode's first epoch; the rounds are recorded in the loader state.
+class CommitWatch:
+    """Iterable over the shard sets of follow mode's first epoch as extract commits them; the rounds are recorded
+    in the loader state.
 
     `ahead()` looks once (every rank together) for the round after the one being trained, so its shards can be read
     while this one ends; a round found so is recorded at once and is the next one the iteration yields.
@@ -108,10 +109,10 @@ class FollowRounds:
 
 
 class FollowedRounds(Rounds):
-    """Follow mode's rounds: the first epoch's come from the store as extract commits them (FollowRounds), the
+    """Follow mode's rounds: the first epoch's come from the store as extract commits them (CommitWatch), the
     run's length is estimated from the first and settled at the end of that epoch; later epochs are plain mode's."""
 
-    watch: FollowRounds
+    watch: CommitWatch
 
     @property
     def following(self) -> bool:
@@ -135,7 +136,7 @@ class FollowedRounds(Rounds):
         if not self.following:
             yield from super().of_epoch(epoch, resumed)
             return
-        self.watch = FollowRounds(self.store, self.dist, self.state, self.train_ids, self.num_slots, self.say)
+        self.watch = CommitWatch(self.store, self.dist, self.state, self.train_ids, self.num_slots, self.say)
         for index, ids in enumerate(self.watch):
             plan = self.plan_of(ids, epoch, index)
             if not self.cfg.max_steps and not resumed and index == 0:
@@ -144,7 +145,7 @@ class FollowedRounds(Rounds):
             yield index, plan
 
     def upcoming(self, epoch: int, index: int) -> Round | None:
-        """Following, this looks at the store once, on every rank together (FollowRounds.ahead)."""
+        """Following, this looks at the store once, on every rank together (CommitWatch.ahead)."""
         if not self.following:
             return super().upcoming(epoch, index)
         nxt = self.watch.ahead()

@@ -58,6 +58,8 @@ class Learner:
 
         self.cfg, self.dist, dev = cfg, dist, dist.device
         self.options = options
+        if dist.rank == 0 and dev.type == "cpu":
+            warn_cpu_sizes(cfg)
         torch.manual_seed(cfg.seed)
         self.model = DFlashDrafter(dcfg).to(dev)  # fp32 master weights; compute is autocast to bf16
         if compiles(cfg, dev) if options.compile_layers is None else options.compile_layers:

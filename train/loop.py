@@ -16,11 +16,11 @@ from ..drafter.config import for_store
 from .checkpoint import rng_state, set_rng_state
 from .dist import Dist
 from .follow import FollowedRounds
-from .learner import Learner, warn_cpu_sizes
+from .learner import Learner
 from .metrics import RunLog, Window, plot_run, require_tensorboard, step_record, truncate_metrics
 from .plan import LoaderState, Round
 from .rounds import Rounds
-from .run_folder import open_run, resumed_config
+from .run_folder import open_run
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -45,13 +45,11 @@ class Trainer:
         if cfg.tensorboard:
             require_tensorboard()
         self.dist = dist = Dist.setup(cfg.gpus)
-        self.cfg = cfg = resumed_config(cfg, dist)
-        if dist.rank == 0 and dist.device.type == "cpu":
-            warn_cpu_sizes(cfg)
         self.store = wait_for_store(cfg.store) if cfg.follow else Store.open(cfg.store)
         self.dcfg = for_store(cfg, self.store.header)
-        self.folder = open_run(cfg, self.store, self.dcfg, dist)
-        self.run, self.checkpoints = self.folder.path, self.folder.checkpoints
+        self.folder = folder = open_run(cfg, self.store, self.dcfg, dist)  # also the config a resumed run keeps
+        self.cfg = cfg = folder.cfg
+        self.run, self.checkpoints = folder.path, folder.checkpoints
         try:
             self._setup(cfg, self.folder.record["resolved"])
         except BaseException:
@@ -59,7 +57,6 @@ class Trainer:
             raise
 
     def _setup(self, cfg: "TrainConfig", resolved: dict[str, Any]) -> None:
-        from .packing import max_blocks_for
         from .stream import RoundStreams, StreamSpec
 
         dist = self.dist
@@ -69,12 +66,8 @@ class Trainer:
         self.state = LoaderState(world_size=dist.world, num_slots=num_slots, seed=cfg.seed)
         kind = FollowedRounds if cfg.follow else Rounds
         self.rounds = kind(cfg, self.store, dist, self.state, resolved["train_shards"], num_slots, self.set_total,
-                           lambda msg: self.runlog.waiting(msg) if self.runlog is not None else None)
-        spec = StreamSpec(slots=list(range(dist.rank * cfg.grad_accum, (dist.rank + 1) * cfg.grad_accum)),
-                          seed=cfg.seed, block_size=self.dcfg.block_size, mask_token_id=self.dcfg.mask_token_id,
-                          anchors=cfg.anchors, max_blocks=max_blocks_for(cfg.batch_tokens), device=dist.device,
-                          depth=cfg.prefetch_shards, skip_corrupt=cfg.skip_corrupt)
-        self.streams = RoundStreams(self.store, spec)
+                           (lambda msg: self.runlog.waiting(msg)) if dist.rank == 0 else None)
+        self.streams = RoundStreams(self.store, StreamSpec.of_run(cfg, self.dcfg, dist))
         self.step, self.last_saved, self.stopped = 0, -1, False
         self.next_log = 1  # the first step is logged at once; then by steps and by rank 0's clock
         self.save_at = -1  # the step that rank 0's clock says is --save-every-minutes after the last save
@@ -87,14 +80,6 @@ class Trainer:
         """Record that step's checkpoint is published (metrics.jsonl: what `dflash run` waits for to grow)."""
         if self.runlog is not None:
             self.runlog.write({"event": "checkpoint", "step": step})
-
-    def finish_saving(self) -> None:
-        """Let a background checkpoint write finish (an interrupt or an error is unwinding the run): it is
-        published whole, or its temp folder is removed and the previous checkpoint stays the newest."""
-        try:
-            self.checkpoints.wait()
-        except Exception as e:  # the run's own error is the one being reported
-            log.error("the checkpoint being written when the run stopped was abandoned: %s", e)
 
     def release(self) -> None:
         """Give up the run folder's lock (rank 0)."""
@@ -158,7 +143,7 @@ class Trainer:
             self.checkpoints.wait()  # the last checkpoint is on disk before the run says it is done
         finally:
             self.streams.close()
-            self.finish_saving()
+            self.checkpoints.finish()
             if self.runlog is not None:
                 self.runlog.close()
         if self.dist.rank == 0:
@@ -257,9 +242,7 @@ class Trainer:
                                       anchors=self.cfg.anchors, seed=self.cfg.seed, attention=learner.attention,
                                       device=self.dist.device, skip_corrupt=self.cfg.skip_corrupt,
                                       tree_budgets=self.cfg.tree_budgets)
-            self.runlog.validation({"split": "val", "step": self.step, "epoch": epoch, **{k: out[k] for k in (
-                "loss", "loss_weights", "acc", "tau_hat", "slot_accuracy", "accept_rate", "blocks", "tokens", "shards",
-                "tree_budgets", "tree_tau", "selector_tree_tau") if k in out}})
+            self.runlog.validation({**out, "split": "val", "step": self.step, "epoch": epoch})
         self.dist.barrier()
 
     def log_window(self, epoch: int, gnorm: float, lr: float) -> None:

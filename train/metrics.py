@@ -71,6 +71,11 @@ def truncate_metrics(run: str | os.PathLike, step: int) -> int:
     return len(records) - len(keep)
 
 
+# What a validation line of metrics.jsonl holds, in this order.
+_VALIDATION_KEYS = ("split", "step", "epoch", "loss", "loss_weights", "acc", "tau_hat", "slot_accuracy", "accept_rate",
+                    "blocks", "tokens", "shards", "tree_budgets", "tree_tau", "selector_tree_tau")
+
+
 class RunLog:
     """Rank 0's sink for step records: metrics.jsonl, a tqdm bar on a terminal or log lines, TensorBoard."""
 
@@ -114,7 +119,8 @@ class RunLog:
         self.progress.update(to=step, detail=text, force=True)
 
     def validation(self, record: dict[str, Any]) -> None:
-        """Record a validation pass."""
+        """Record a validation pass: its split, step and epoch, and evaluate_shards' numbers that a run tracks."""
+        record = {k: record[k] for k in _VALIDATION_KEYS if k in record}
         self.write(record)
         if self.tb is not None:
             for key in ("loss", "acc", "tau_hat"):

@@ -27,7 +27,7 @@ class Rounds:
     """Plain mode's rounds: every epoch one round over the committed training shards taken at the start."""
 
     def __init__(self, cfg: "TrainConfig", store: "Store", dist: "Dist", state: LoaderState, train_ids: list[int],
-                 num_slots: int, set_total: Callable[[int], None], say: Callable[[str], None]) -> None:
+                 num_slots: int, set_total: Callable[[int], None], say: Callable[[str], None] | None) -> None:
         self.cfg, self.store, self.dist, self.state = cfg, store, dist, state
         self.train_ids, self.num_slots = train_ids, num_slots
         self.set_total, self.say = set_total, say

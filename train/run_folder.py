@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..drafter.config import DrafterConfig
     from ..storage import Store
 
-__all__ = ["RUN_LOCK", "RunFolder", "open_run", "check_out_folder", "preflight", "resumed_config", "run_record",
+__all__ = ["RUN_LOCK", "RunFolder", "open_run", "check_out_folder", "preflight", "run_record",
            "resume_grad_accum", "resolve_train_dtype", "lock_run", "prepare_run_folder", "write_run_record",
            "check_resume"]
 
@@ -82,15 +82,15 @@ def run_record(cfg: "TrainConfig", store: "Store", dcfg: "DrafterConfig", world:
     }
 
 
-def resume_grad_accum(cfg: "TrainConfig", world: int) -> "TrainConfig":
-    """Return cfg with the grad-accum that keeps a resumed run's slots on `world` ranks (cfg itself otherwise).
+def resume_grad_accum(cfg: "TrainConfig", world: int, saved: dict[str, Any] | None) -> "TrainConfig":
+    """Return cfg with the grad-accum that keeps a resumed run's slots (its record `saved`) on `world` ranks (cfg
+    itself otherwise).
 
     Batches are a function of the slots (world x grad-accum) alone, so a run resumed on another GPU count takes the
     same global batches when grad-accum = recorded slots / world; ConfigError naming the counts that divide them,
     or when --grad-accum was given (not the default 1) and makes other slots.
     """
-    saved = read_run_record(cfg.out) if cfg.resume else None
-    slots = (saved or {}).get("resolved", {}).get("num_slots")
+    slots = ((saved if cfg.resume else None) or {}).get("resolved", {}).get("num_slots")
     if not slots or world * cfg.grad_accum == slots:
         return cfg
     if cfg.grad_accum != 1:  # asked for: another value would change every batch from here on
@@ -108,7 +108,7 @@ def resume_grad_accum(cfg: "TrainConfig", world: int) -> "TrainConfig":
     return dataclasses.replace(cfg, grad_accum=slots // world)
 
 
-def resolve_train_dtype(cfg: "TrainConfig", dist: Any) -> "TrainConfig":
+def resolve_train_dtype(cfg: "TrainConfig", dist: Any, saved: dict[str, Any] | None = None) -> "TrainConfig":
     """Return cfg with --dtype made concrete: rank 0 decides (target/numerics.py, logging why), every rank takes it.
 
     A resumed run keeps the dtype it trained in when --dtype is auto, even where auto would now pick another (a run
@@ -121,16 +121,10 @@ def resolve_train_dtype(cfg: "TrainConfig", dist: Any) -> "TrainConfig":
 
     dtype = None
     if dist.rank == 0:
-        saved = read_run_record(cfg.out) if cfg.resume else None
-        recorded = ((saved or {}).get("config") or {}).get("dtype")
+        recorded = (((saved if cfg.resume else None) or {}).get("config") or {}).get("dtype")
         dtype = resolve_dtype(cfg.dtype, dist.device.type, auto=recorded if recorded in DTYPES else None,
                               auto_reason=f"the run being resumed ({Path(cfg.out) / 'config.json'}) trained in it")
     return dataclasses.replace(cfg, dtype=dist.broadcast(dtype))
-
-
-def resumed_config(cfg: "TrainConfig", dist: Any) -> "TrainConfig":
-    """Return cfg as a resumed run keeps it: its slots on this many ranks, its dtype (see the two functions)."""
-    return resolve_train_dtype(resume_grad_accum(cfg, dist.world), dist)
 
 
 def lock_run(run: Path) -> Any:
@@ -149,11 +143,10 @@ def lock_run(run: Path) -> Any:
     return lock
 
 
-def prepare_run_folder(cfg: "TrainConfig", record: dict[str, Any]) -> Path | None:
-    """Return the checkpoint to resume from (None: a fresh run); refuse to overwrite a run or resume a changed one."""
-    run = check_out_folder(cfg.out)
-    ckpt = Checkpointer(run).latest()
-    saved = read_run_record(run)
+def prepare_run_folder(cfg: "TrainConfig", run: Path, saved: dict[str, Any] | None, ckpt: Path | None,
+                       record: dict[str, Any]) -> Path | None:
+    """Return the checkpoint to resume from, `ckpt` (None: a fresh run); refuse to overwrite a run (one with a
+    checkpoint or metrics) or to resume one whose record `saved` differs from `record`."""
     if not cfg.resume:
         if ckpt is not None or (run / METRICS_FILE).exists():
             raise ConfigError(
@@ -205,8 +198,10 @@ def check_resume(run: str | os.PathLike, saved: dict[str, Any], now: dict[str, A
 
 @dataclass
 class RunFolder:
-    """An opened run folder: its path, record and checkpoints, the lock (rank 0), the checkpoint to resume from."""
+    """An opened run folder: the config as the run keeps it, path, record, checkpoints, the lock (rank 0), and the
+    checkpoint to resume from."""
 
+    cfg: "TrainConfig"
     path: Path
     record: dict[str, Any]
     checkpoints: Checkpointer
@@ -221,13 +216,17 @@ class RunFolder:
 
 
 def open_run(cfg: "TrainConfig", store: "Store", dcfg: "DrafterConfig", dist: Any) -> RunFolder:
-    """Return the run folder of --out made ready for the first step: locked (one trainer per folder), refused if it
-    holds another run or a changed one, its record written; the lock is given up again if that fails."""
-    record = run_record(cfg, store, dcfg, dist.world)
+    """Return the run folder of --out made ready for the first step: the config as a resumed run keeps it (its
+    slots, its dtype), locked (one trainer per folder), refused if it holds another run or a changed one, its record
+    written; the lock is given up again if that fails."""
     run = check_out_folder(cfg.out)
-    folder = RunFolder(run, record, Checkpointer(run, cfg.keep), lock_run(run) if dist.rank == 0 else None, None)
+    saved = read_run_record(run)
+    cfg = resolve_train_dtype(resume_grad_accum(cfg, dist.world, saved), dist, saved)
+    record = run_record(cfg, store, dcfg, dist.world)
+    checkpoints = Checkpointer(run, cfg.keep)
+    folder = RunFolder(cfg, run, record, checkpoints, lock_run(run) if dist.rank == 0 else None, None)
     try:
-        folder.resume_from = prepare_run_folder(cfg, record)
+        folder.resume_from = prepare_run_folder(cfg, run, saved, checkpoints.latest(), record)
         if dist.rank == 0:
             write_run_record(run, record)
     except BaseException:

@@ -259,7 +259,7 @@ def eval_(as_json: bool, **opts: Any) -> None:
     cfg = make_config(EvalConfig, opts)
     if cfg.prompts is not None:
         from .decode.prompt_eval import format_prompt_eval as fmt, run_prompt_eval
-        from .train.checkpoint import resolve_drafter
+        from .drafter.folders import resolve_drafter
 
         result = run_prompt_eval(cfg, *resolve_drafter(cfg.drafter))
     else:

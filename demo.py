@@ -198,7 +198,7 @@ def decode_prompts(path: Path, drafter_dir: Path, target_dir: Path, prompts: lis
     from .chatfiles import jsonl_lines
     from .decode.speculative import compare_one, drafter_proposer, load_target, static_decoder, summarize
     from .decode.tree import tree_decoders
-    from .train.checkpoint import open_drafter
+    from .drafter.files import open_drafter
 
     if numerics and numerics != ["float32"]:
         log.warning("decode: the training answers were generated in %s, decoding verifies in float32: expect "

@@ -107,7 +107,7 @@ def held_out_prompt_ids(store_dir: Path, data: Path, run_dir: Path, target: Path
 
     from .chatfiles import read_rows
     from .storage import Store
-    from .train.checkpoint import read_run_record
+    from .drafter.folders import read_run_record
 
     store = Store.open(str(store_dir))
     val = read_run_record(run_dir)["resolved"]["val_shards"]

@@ -163,7 +163,8 @@ def main() -> None:
         return
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.model import DFlashDrafter
     from dflash.decode.static import StaticDecoder
     from dflash.decode.static_tree import StaticTreeDecoder
     from dflash.facts import build_target_layer_ids

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from dflash.drafter.files import export_config, load_drafter, save_drafter_files, write_export
-from dflash.drafter.model import DFlashDrafter, DrafterConfig, _draft_hidden, _logits, block_embeddings, draft_tokens
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.model import DFlashDrafter, _draft_hidden, _logits, block_embeddings, draft_tokens
 
 VOCAB, HIDDEN, BLOCK = 300, 64, 8
 

@@ -18,9 +18,11 @@ import torch
 
 from dflash.facts import build_target_layer_ids
 from dflash.testing import QWEN3_8B_CONFIG
-from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.flops import H200_BF16_PEAK, step_flops
-from dflash.train.objective import drafter_loss, pack_batch
+from dflash.train.objective import drafter_loss
+from dflash.train.packing import pack_batch
 
 log = logging.getLogger(__name__)
 

@@ -67,10 +67,10 @@ def main() -> None:
     from dflash.extract.plan import shard_ranges
     from dflash.storage import Store
     from dflash.train import run as train
-    from dflash.train.checkpoint import read_run_record
+    from dflash.drafter.folders import read_run_record
     from dflash.train.evaluate import evaluate_shards
     from dflash.drafter.files import load_drafter
-    from dflash.train.checkpoint import find_checkpoint
+    from dflash.drafter.folders import find_checkpoint
     from dflash.target.head import load_target_head
 
     base, work = Path(args.demo), Path(args.work)

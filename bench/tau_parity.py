@@ -67,9 +67,11 @@ def _features(target, ids: list[int], layer_ids) -> torch.Tensor:
 
 
 def _train(folder, target, prompts, answers, layer_ids, mask_id, steps: int, block: int):
-    from dflash.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.model import DFlashDrafter
     from dflash.target.head import load_target_head
-    from dflash.train.objective import drafter_loss, pack_batch
+    from dflash.train.objective import drafter_loss
+    from dflash.train.packing import pack_batch
 
     cfg = DrafterConfig.from_target(folder, target_layer_ids=layer_ids, mask_token_id=mask_id, draft_layers=1,
                                     block_size=block)

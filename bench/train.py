@@ -38,10 +38,11 @@ from dflash.storage import Store
 from dflash.storage.synthetic import activation_bits
 from dflash.testing import QWEN3_8B_CONFIG
 from dflash.train.dist import Dist
-from dflash.train.plan import plan_round
+from dflash.train.plan import ShardLengths, plan_round
 from dflash.train.learner import Learner
-from dflash.train.objective import max_blocks_for
-from dflash.train.prepare import ShardLengths, drafter_config, resolve_train_dtype
+from dflash.train.packing import max_blocks_for
+from dflash.drafter.config import for_store
+from dflash.train.run_folder import resolve_train_dtype
 from dflash.train.stream import RoundStream, StreamSpec
 
 log = logging.getLogger("bench.train")
@@ -551,7 +552,7 @@ def main() -> None:
                       gpus="cpu" if args.tiny else "0", epochs=1, drafter=args.drafter,
                       position_weights=args.position_weights,
                       **(dict(batch_tokens=4 * args.length, anchors=64, draft_layers=1) if args.tiny else {}))
-    dcfg = drafter_config(cfg, Store.open(cfg.store))
+    dcfg = for_store(cfg, Store.open(cfg.store).header)
     dist = Dist(0, 1, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -63,7 +63,7 @@ def run_prompt_eval(cfg: "EvalConfig", folder: Path, record: dict[str, Any] | No
     """Return the summary of speculative against greedy decoding of the prompts (speculative.summarize's keys,
     plus the drafter, prompts file and tokens decoded per prompt).
 
-    folder, record: the drafter's folder and its run record (or None), as train.checkpoint.resolve_drafter gives
+    folder, record: the drafter's folder and its run record (or None), as drafter.folders.resolve_drafter gives
     them for cfg.drafter: the caller resolves, since decode/ knows no checkpoint format."""
     import torch
     from transformers import AutoTokenizer

@@ -16,7 +16,8 @@ from torch.nn import functional as F
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .model import Attend, DrafterConfig
+    from .config import DrafterConfig
+    from .model import Attend
     from .batch import PackedBatch
 
 __all__ = ["visible", "key_index", "query_index", "dense_masks", "make_attend", "bucket"]

@@ -23,14 +23,11 @@ import torch
 
 from ..atomic import write_atomic
 from ..errors import DflashError, InputError
-from .model import DFlashDrafter, DrafterConfig
+from .config import DrafterConfig
+from .folders import DRAFTER_CONFIG, EXPORT_CONFIG, WEIGHTS, resolve_drafter
+from .model import DFlashDrafter
 
 __all__ = [
-    "WEIGHTS",
-    "DRAFTER_CONFIG",
-    "EXPORT_CONFIG",
-    "has_drafter_files",
-    "is_export",
     "drafter_state",
     "write_drafter_files",
     "save_drafter_files",
@@ -40,27 +37,13 @@ __all__ = [
     "check_serving_tensors",
     "write_export",
     "load_drafter",
+    "open_drafter",
 ]
 
 log = logging.getLogger(__name__)
 
-WEIGHTS = "model.safetensors"
-DRAFTER_CONFIG = "drafter_config.json"
-EXPORT_CONFIG = "config.json"
 # Wrappers (DDP, torch.compile, FSDP) prefix parameter names; the export carries the bare names.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def has_drafter_files(folder: str | os.PathLike) -> bool:
-    """Return True if folder holds a drafter's weights and drafter_config.json (a checkpoint's drafter)."""
-    folder = Path(folder)
-    return (folder / WEIGHTS).is_file() and (folder / DRAFTER_CONFIG).is_file()
-
-
-def is_export(folder: str | os.PathLike) -> bool:
-    """Return True if folder is a finished export (config.json naming a DFlash drafter, beside the weights)."""
-    folder = Path(folder)
-    return (folder / EXPORT_CONFIG).is_file() and (folder / WEIGHTS).is_file()
 
 
 def export_config(cfg: DrafterConfig) -> dict[str, Any]:
@@ -270,3 +253,9 @@ def load_drafter(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
         model = DFlashDrafter(cfg)
     model.load_state_dict(sd, assign=True)
     return model.to(device=device, dtype=dtype or next(iter(sd.values())).dtype)
+
+
+def open_drafter(path: str | os.PathLike, *, device: Any = "cpu", dtype: Any = None) -> Any:
+    """Return the drafter (eval mode) of any folder `resolve_drafter` takes: an export, a checkpoint, a run."""
+    folder, _ = resolve_drafter(path)
+    return load_drafter(folder, device=device, dtype=dtype).eval()

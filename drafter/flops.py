@@ -7,7 +7,7 @@ if TYPE_CHECKING:
     import torch
 
     from .batch import PackedBatch
-    from .model import DrafterConfig
+    from .config import DrafterConfig
 
 __all__ = ["step_flops", "step_counts", "flops_of", "peak_flops", "H200_BF16_PEAK"]
 

@@ -15,7 +15,8 @@ from dflash.drafter.conv import GroupedDynamicCausalConv
 from dflash.decode.speculative import compare_on_prompts, load_target
 from dflash.drafter.files import check_serving_tensors, save_drafter_files, serving_tensors, write_export
 from dflash.drafter.linear_ce import candidate_logits, chunked_linear_ce, chunked_linear_ce_topk
-from dflash.drafter.model import DFlashDrafter, DrafterConfig, unary_logits
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.model import DFlashDrafter, unary_logits
 from dflash.drafter.selector import CandidateSelector
 from dflash.facts import build_target_layer_ids
 from dflash.train.metrics import read_metrics

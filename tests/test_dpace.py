@@ -14,8 +14,9 @@ from dflash.config import DemoConfig, TrainConfig
 from dflash.drafter.attention import make_attend
 from dflash.target.head import load_target_head
 from dflash.errors import ConfigError, ManifestMismatch
-from dflash.train.checkpoint import check_resume
-from dflash.train.objective import dpace_weights, loss_denominator, pack_batch, predict
+from dflash.train.run_folder import check_resume
+from dflash.train.objective import dpace_weights, loss_denominator, predict
+from dflash.train.packing import pack_batch
 from test_drafter import _drafter, _sequences
 from test_train_run import opts, store, toy_data, train  # noqa: F401  (fixtures)
 
@@ -102,7 +103,7 @@ OBJECTIVES = {"decay": dict(position_weights="decay"), "dpace": dict(position_we
 
 def _learner_grads(target: str, micro: list[int], report=None) -> dict:
     """Return {objective: this rank's gradients and summed metrics} after Learner.backward over its micro-batches."""
-    from dflash.drafter.model import DrafterConfig
+    from dflash.drafter.config import DrafterConfig
     from dflash.facts import build_target_layer_ids
     from dflash.train.dist import Dist
     from dflash.train.learner import Learner
@@ -227,7 +228,8 @@ def test_a_dflash2_selector_miss_never_moves_a_position_weight(tiny_qwen3) -> No
 
 def dflash2_batch(target, *, top_k: int, std: float, **shape):
     """Return (a float64 DFlash 2 drafter of block 5 with weights N(0, std), the target's head, a packed batch)."""
-    from dflash.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.model import DFlashDrafter
     from dflash.facts import build_target_layer_ids
 
     cfg = DrafterConfig.from_target(target, target_layer_ids=build_target_layer_ids(8), mask_token_id=262,

@@ -10,8 +10,10 @@ from torch.nn import functional as F
 
 from dflash.errors import InputError
 from dflash.facts import build_target_layer_ids
-from dflash.drafter.model import DFlashDrafter, DrafterConfig, draft_logits
-from dflash.train.objective import drafter_loss, pack_batch
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.model import DFlashDrafter, draft_logits
+from dflash.train.objective import drafter_loss
+from dflash.train.packing import pack_batch
 from dflash.drafter.attention import make_attend
 from dflash.target.head import load_target_head
 

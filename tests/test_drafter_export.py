@@ -9,9 +9,10 @@ from safetensors import safe_open
 from dflash.errors import InputError
 from dflash.facts import build_target_layer_ids
 from dflash.drafter.files import load_drafter, save_drafter_files
-from dflash.train.checkpoint import find_checkpoint
+from dflash.drafter.folders import find_checkpoint
 from dflash.train.export import export_drafter
-from dflash.drafter.model import DFlashDrafter, DrafterConfig, draft_logits
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.model import DFlashDrafter, draft_logits
 from dflash.target.head import load_target_head
 
 

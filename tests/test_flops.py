@@ -7,8 +7,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dflash.drafter.attention import dense_masks
 from dflash.drafter.flops import step_flops
-from dflash.drafter.model import DFlashDrafter, DrafterConfig
-from dflash.train.objective import drafter_loss, pack_batch
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.model import DFlashDrafter
+from dflash.train.objective import drafter_loss
+from dflash.train.packing import pack_batch
 
 V, H = 96, 32
 

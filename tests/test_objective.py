@@ -9,16 +9,9 @@ from torch.nn import functional as F
 
 from dflash.drafter.attention import bucket, dense_masks
 from dflash.drafter.linear_ce import chunked_linear_ce, chunked_linear_ce_rows
-from dflash.drafter.model import DrafterConfig
-from dflash.train.objective import (
-    Metrics,
-    block_metrics,
-    block_quotas,
-    decay_weights,
-    max_blocks_for,
-    pack_batch,
-    sample_anchors,
-)
+from dflash.drafter.config import DrafterConfig
+from dflash.train.objective import Metrics, block_metrics
+from dflash.train.packing import block_quotas, decay_weights, max_blocks_for, pack_batch, sample_anchors
 
 
 def _seq(mask: list[int], H: int = 4, start: int = 10) -> dict:

@@ -18,7 +18,8 @@ import pytest
 
 from dflash.config import ExtractConfig
 from dflash.storage import Store
-from dflash.train.checkpoint import RUN_LOCK, Checkpointer
+from dflash.train.checkpoint import Checkpointer
+from dflash.train.run_folder import RUN_LOCK
 from test_extract_run import store_samples
 from test_run import EXTRACT, children, committed, dflash, run_argv
 from test_train_run import losses

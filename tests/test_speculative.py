@@ -8,10 +8,11 @@ import torch
 
 from dflash.errors import InputError
 from dflash.facts import build_target_layer_ids
-from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.model import DFlashDrafter
 from dflash.decode.drafting import block_anchors, decoding_walk, drafter_proposer, teacher_forced
 from dflash.decode.speculative import compare_on_prompts, greedy_decode, load_target, speculative_decode, summarize
-from dflash.train.checkpoint import open_drafter
+from dflash.drafter.files import open_drafter
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8, 250, 11, 60], [33]]
 
@@ -130,7 +131,8 @@ def test_compare_on_prompts_reports_tau_and_forwards(tiny_qwen3, target, layer_i
 
 def test_a_run_folder_with_its_record_opens_its_newest_checkpoint(tiny_qwen3, layer_ids, tmp_path):
     from dflash.drafter.files import save_drafter_files
-    from dflash.train.checkpoint import resolve_drafter, write_run_record
+    from dflash.drafter.folders import resolve_drafter
+    from dflash.train.run_folder import write_run_record
 
     run = tmp_path / "run"
     record = {"config": {"batch_tokens": 64, "anchors": 4}, "resolved": {"val_shards": [1]}}
@@ -213,7 +215,8 @@ def _fitted_drafter(tiny_qwen3, target, layer_ids, answers, block_size=4, steps=
     """Return a drafter trained by the training objective on the target's greedy answers to FIT_PROMPTS (overfit on
     purpose: it must accept some blocks and miss others)."""
     from dflash.target.head import load_target_head
-    from dflash.train.objective import drafter_loss, pack_batch
+    from dflash.train.objective import drafter_loss
+    from dflash.train.packing import pack_batch
 
     cfg = DrafterConfig.from_target(tiny_qwen3, target_layer_ids=layer_ids, mask_token_id=259, draft_layers=1,
                                     block_size=block_size)

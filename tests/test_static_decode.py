@@ -7,7 +7,8 @@ import torch
 
 from dflash.decode.drafting import drafter_proposer
 from dflash.decode.speculative import greedy_decode, load_target, speculative_decode
-from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.drafter.config import DrafterConfig
+from dflash.drafter.model import DFlashDrafter
 from dflash.decode.static import StaticDecoder
 from dflash.facts import build_target_layer_ids
 from dflash.target.static_kv import StaticTarget, fast_unsupported

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from dflash.train.checkpoint import Checkpointer, find_checkpoint, read_trainer_state
+from dflash.drafter.folders import find_checkpoint
+from dflash.train.checkpoint import Checkpointer, read_trainer_state
 from dflash.train.metrics import read_metrics
 from test_train_run import opts, store, toy_data, train  # noqa: F401  (fixtures)
 
@@ -22,7 +23,8 @@ class _Part:
 def test_a_background_checkpoint_holds_the_state_of_its_step(tmp_path, tiny_qwen3, store):  # noqa: F811
     from safetensors.torch import load_file
 
-    from dflash.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.model import DFlashDrafter
 
     cfg = DrafterConfig.from_target(str(tiny_qwen3), target_layer_ids=(1, 2), mask_token_id=1, draft_layers=1,
                                     block_size=4)

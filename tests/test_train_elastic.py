@@ -15,8 +15,8 @@ import pytest
 
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError
-from dflash.train.checkpoint import write_run_record
-from dflash.train.prepare import resume_grad_accum
+from dflash.drafter.folders import read_run_record
+from dflash.train.run_folder import resume_grad_accum, write_run_record
 from test_train_run import flags, losses, opts, store, toy_data, train  # noqa: F401  (fixtures)
 
 KW = dict(epochs=3, batch_tokens=256, save_every=2, keep=5)
@@ -42,18 +42,19 @@ def two_rank_run(store, tiny_qwen3, tmp_path_factory) -> list[tuple[int, float]]
 def test_resume_takes_grad_accum_from_the_recorded_slots(tmp_path):
     cfg = TrainConfig(store="s", target="t", out=str(tmp_path), resume=True, grad_accum=1)
     write_run_record(tmp_path, {"config": {}, "resolved": {"num_slots": 4, "world_size": 2}})
-    assert resume_grad_accum(cfg, 1).grad_accum == 4
-    assert resume_grad_accum(cfg, 4).grad_accum == 1
-    assert resume_grad_accum(cfg, 2).grad_accum == 2
+    saved = read_run_record(tmp_path)
+    assert resume_grad_accum(cfg, 1, saved).grad_accum == 4
+    assert resume_grad_accum(cfg, 4, saved).grad_accum == 1
+    assert resume_grad_accum(cfg, 2, saved).grad_accum == 2
     with pytest.raises(ConfigError, match="4 slots .* 3 GPU.* resume on 1, 2, 4 GPU"):
-        resume_grad_accum(cfg, 3)
+        resume_grad_accum(cfg, 3, saved)
     # A --grad-accum asked for (not the default 1) that makes other slots is refused, not quietly replaced.
     asked = dataclasses.replace(cfg, grad_accum=2)
-    assert resume_grad_accum(asked, 2) is asked
+    assert resume_grad_accum(asked, 2, saved) is asked
     with pytest.raises(ConfigError, match="--grad-accum 2 on 1 GPU.* makes 2 slots, the run has 4; leave --grad-accum out"):
-        resume_grad_accum(asked, 1)
+        resume_grad_accum(asked, 1, saved)
     fresh = TrainConfig(store="s", target="t", out=str(tmp_path / "new"), resume=True, grad_accum=3)
-    assert resume_grad_accum(fresh, 3) is fresh  # nothing recorded yet: the options decide
+    assert resume_grad_accum(fresh, 3, read_run_record(fresh.out)) is fresh  # nothing recorded yet: the options decide
 
 
 @pytest.fixture(scope="module")

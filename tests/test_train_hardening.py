@@ -16,7 +16,9 @@ import pytest
 
 from test_train_run import cli, dflash_main, flags, losses, opts, store, toy_data, train  # noqa: F401 (fixtures)
 
-from dflash.train.checkpoint import CHECKSUMS, RUN_LOCK, TRAINER_STATE, Checkpointer
+from dflash.drafter.folders import CHECKSUMS
+from dflash.train.checkpoint import TRAINER_STATE, Checkpointer
+from dflash.train.run_folder import RUN_LOCK
 from dflash.train.metrics import read_metrics
 
 INTERRUPTED = "dflash: interrupted; rerun the same command to resume"
@@ -50,14 +52,14 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_sound_one_is_taken(sto
     damaged[len(damaged) // 2] ^= 0x01
     (newest / "model.safetensors").write_bytes(bytes(damaged))
     # eval and decoding (resolve_drafter) and export take the older sound checkpoint, with a warning.
-    from dflash.train.checkpoint import resolve_drafter
+    from dflash.drafter.folders import resolve_drafter
 
     assert resolve_drafter(run)[0] == older
     assert any("damaged" in r.message and older.name in r.message for r in caplog.records)
     legacy = tmp_path / "legacy" / "checkpoints" / older.name
     shutil.copytree(older, legacy)
     (legacy / CHECKSUMS).unlink()
-    with caplog.at_level(logging.DEBUG, logger="dflash.train.checkpoint"):
+    with caplog.at_level(logging.DEBUG, logger="dflash.drafter.folders"):
         assert Checkpointer(tmp_path / "legacy").latest() == legacy
     assert any("before checkpoints carried checksums" in r.message for r in caplog.records)
     # (the CLI's logging setup replaces caplog's handler: every in-process CLI call comes after the log checks)

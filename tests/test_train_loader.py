@@ -16,7 +16,7 @@ from dflash.train.plan import (
     plan_slot,
     split_shards,
 )
-from dflash.train.prepare import lr_factor
+from dflash.train.learner import lr_factor
 
 
 def fake_lengths(num_shards: int, seed: int) -> dict[int, np.ndarray]:

@@ -18,7 +18,7 @@ from test_train_run import losses, opts, store, toy_data  # noqa: F401  (fixture
 def run_trainer(kw: dict) -> "object":
     """Train in this process and return the Trainer (to look at its streams afterwards)."""
     from dflash.train.loop import Trainer
-    from dflash.train.prepare import preflight
+    from dflash.train.run_folder import preflight
 
     cfg = TrainConfig(**kw)
     preflight(cfg)
@@ -37,8 +37,8 @@ def batches_equal(a, b) -> bool:
 
 
 def test_the_next_epochs_first_shard_is_read_before_this_epochs_last_batch_is_yielded(store):  # noqa: F811
-    from dflash.train.objective import max_blocks_for
-    from dflash.train.prepare import ShardLengths
+    from dflash.train.packing import max_blocks_for
+    from dflash.train.plan import ShardLengths
     from dflash.train.stream import RoundStream, RoundStreams, StreamSpec
 
     st = Store.open(store)
@@ -118,7 +118,7 @@ def test_resuming_next_to_an_epoch_boundary_takes_exactly_the_uninterrupted_step
 
 def test_follow_looks_ahead_only_at_committed_shards_and_trains_the_round_it_found_next(store, tmp_path):  # noqa: F811
     from dflash.train.dist import Dist
-    from dflash.train.follow import FollowRounds
+    from dflash.train.follow import CommitWatch
 
     copy = tmp_path / "store"
     shutil.copytree(store, copy)
@@ -138,7 +138,7 @@ def test_follow_looks_ahead_only_at_committed_shards_and_trains_the_round_it_fou
     while len(set(train_ids) & set(st.committed_ids())) < 2:  # enough for a first round of two slots
         commit(1)
     state = LoaderState(world_size=1, num_slots=2, seed=0)
-    rounds = FollowRounds(st, Dist(0, 1, torch.device("cpu")), state, train_ids, num_slots=2)
+    rounds = CommitWatch(st, Dist(0, 1, torch.device("cpu")), state, train_ids, num_slots=2)
     it = iter(rounds)
     first = next(it)
     assert set(first) <= set(st.committed_ids())

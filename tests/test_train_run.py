@@ -128,7 +128,7 @@ def test_loss_falls_and_the_run_folder_has_everything(store, tiny_qwen3, tmp_pat
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert len(ckpts) == 2 and ckpts[-1] == f"step-{len(steps):06d}"
     assert (run / "curves.png").stat().st_size > 1000
-    from dflash.train.checkpoint import find_checkpoint
+    from dflash.drafter.folders import find_checkpoint
 
     assert find_checkpoint(run).name == ckpts[-1]
     # dflash eval on the run's held-out shards gives the final validation numbers.
@@ -267,7 +267,8 @@ def test_a_corrupt_shard_is_named_or_skipped_and_counted(store, tiny_qwen3, tmp_
 
 def test_eval_refuses_a_drafter_of_another_store_by_field(store, tiny_qwen3, tmp_path, capsys):
     from dflash.drafter.files import save_drafter_files
-    from dflash.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.model import DFlashDrafter
 
     cfg = DrafterConfig.from_target(tiny_qwen3, target_layer_ids=[1, 2, 3], mask_token_id=5, draft_layers=1,
                                     block_size=8)

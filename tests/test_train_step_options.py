@@ -8,8 +8,8 @@ from dflash.config import TrainConfig
 from dflash.storage import Store
 from dflash.train.dist import Dist
 from dflash.train.learner import Learner, StepOptions
-from dflash.train.objective import max_blocks_for, pack_batch
-from dflash.train.prepare import drafter_config
+from dflash.train.packing import max_blocks_for, pack_batch
+from dflash.drafter.config import for_store
 from test_train_run import opts, store, toy_data  # noqa: F401  (fixtures)
 
 
@@ -28,7 +28,7 @@ def _micro(store_url: str, cfg: TrainConfig, dcfg, step: int) -> list:
 
 def _run(store, target, tmp_path, options: StepOptions, weights: str, steps: int = 3):
     cfg = TrainConfig(**opts(store, target, tmp_path / "run", position_weights=weights, drafter="dflash2"))
-    dcfg = drafter_config(cfg, Store.open(store))
+    dcfg = for_store(cfg, Store.open(store).header)
     learner = Learner(cfg, dcfg, Dist(0, 1, torch.device("cpu")), options)
     learner.total = 10
     out = []

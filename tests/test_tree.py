@@ -12,7 +12,8 @@ from torch.nn import functional as F
 from dflash.drafter.attention import make_attend
 from dflash.target.head import load_target_head
 from dflash.drafter.tree import best_scores, build_tree
-from dflash.train.objective import pack_batch, predict
+from dflash.train.objective import predict
+from dflash.train.packing import pack_batch
 from dflash.train.tree_loss import tree_terms
 from test_drafter import _drafter, _sequences
 from test_train_run import sigkill_and_resume, store, toy_data  # noqa: F401  (fixtures)

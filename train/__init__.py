@@ -30,16 +30,14 @@ def run(cfg: "TrainConfig") -> None:
     """
     from ..config import resolve_devices
     from ..runtime import ranks_from_env
-    from .prepare import preflight
+    from .run_folder import preflight
 
     preflight(cfg)
     from .loop import train_rank
 
-    if ranks_from_env().launched:  # torchrun (or another launcher) made the processes
+    # torchrun (or another launcher) made the processes, or one device: train here; else one process per GPU.
+    world = 1 if ranks_from_env().launched else len(resolve_devices(cfg.gpus))
+    if world == 1:
         train_rank(cfg)
-        return
-    devices = resolve_devices(cfg.gpus)
-    if len(devices) == 1:
-        train_rank(cfg)
-        return
-    launch_ranks(cfg, len(devices))
+    else:
+        launch_ranks(cfg, world)

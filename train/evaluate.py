@@ -1,40 +1,24 @@
 """Teacher-forced evaluation of a drafter on a store's held-out shards: loss, per-slot accuracy/acceptance, tau_hat."""
 from __future__ import annotations
 
-import json
 import logging
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ..drafter.config import check_compatible
 from ..drafter.tree import TREE_BUDGETS
-from ..errors import CorruptShard, InputError, ManifestMismatch
+from ..errors import CorruptShard, InputError
 
 if TYPE_CHECKING:
     import torch
 
     from ..config import EvalConfig
-    from ..drafter.model import DFlashDrafter, DrafterConfig
+    from ..drafter.model import DFlashDrafter
     from ..target.head import TargetHead
     from ..storage import Store
 
-__all__ = ["check_compatible", "evaluate_shards", "run_eval", "format_eval"]
+__all__ = ["evaluate_shards", "run_eval", "format_eval"]
 
 log = logging.getLogger(__name__)
-
-
-def check_compatible(cfg: "DrafterConfig", header: dict[str, Any], drafter: str, store: str) -> None:
-    """Raise ManifestMismatch naming each of hidden size, layer ids, mask token and vocab that differ."""
-    pairs = [
-        ("hidden_size", cfg.hidden_size, header.get("hidden_size")),
-        ("layer_ids", list(cfg.target_layer_ids), header.get("layer_ids")),
-        ("mask_token_id", cfg.mask_token_id, header.get("mask_token_id")),
-        ("vocab_size", cfg.vocab_size, (header.get("target") or {}).get("vocab_size")),
-    ]
-    diffs = [f"{name}: drafter has {json.dumps(a)}, store has {json.dumps(b)}" for name, a, b in pairs if a != b]
-    if diffs:
-        raise ManifestMismatch(
-            f"drafter {drafter} does not fit store {store} ({'; '.join(diffs)}); evaluate it on a store extracted "
-            "from its own target with the same layers, or train a drafter on this store with `dflash train`"
-        )
 
 
 def evaluate_shards(
@@ -62,7 +46,8 @@ def evaluate_shards(
     """
     import torch
 
-    from .objective import batch_capacity, max_blocks_for, pack_batch, predict
+    from .objective import predict
+    from .packing import batch_capacity, max_blocks_for, pack_batch
 
     cfg = model.config
     B = cfg.block_size
@@ -152,11 +137,11 @@ def run_eval(cfg: "EvalConfig") -> dict[str, Any]:
     import torch
 
     from ..drafter.files import load_drafter
+    from ..drafter.folders import resolve_drafter
     from ..target.head import load_target_head
     from ..config import DTYPES
     from ..target.numerics import compute_context, resolve_dtype
     from ..storage import Store
-    from .checkpoint import resolve_drafter
     from .plan import split_shards
 
     folder, record = resolve_drafter(cfg.drafter)

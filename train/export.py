@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 from ..drafter.files import write_export
-from .checkpoint import find_checkpoint
+from ..drafter.folders import find_checkpoint
 
 __all__ = ["export_drafter"]
 

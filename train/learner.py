@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .dist import Dist
-from .prepare import lr_factor
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
-    from ..drafter.model import DrafterConfig
+    from ..drafter.config import DrafterConfig
     from .objective import Metrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Learner", "StepOptions", "compiles"]
+__all__ = ["Learner", "StepOptions", "compiles", "lr_factor", "warn_cpu_sizes"]
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,12 @@ class Learner:
 
         from ..drafter.model import DFlashDrafter
         from ..target.head import load_target_head
-        from .objective import batch_capacity
+        from .packing import batch_capacity
 
         self.cfg, self.dist, dev = cfg, dist, dist.device
         self.options = options
+        if dist.rank == 0 and dev.type == "cpu":
+            warn_cpu_sizes(cfg)
         torch.manual_seed(cfg.seed)
         self.model = DFlashDrafter(dcfg).to(dev)  # fp32 master weights; compute is autocast to bf16
         if compiles(cfg, dev) if options.compile_layers is None else options.compile_layers:
@@ -188,3 +190,24 @@ def _denominator(weights: Any, position_weights: str) -> Any:
     if position_weights == "dpace":
         return (counted > 0).any(dim=1).sum().double()
     return counted.sum().double()
+
+
+def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
+    """Return the learning-rate multiplier of a step: linear warmup over warmup_ratio of the run, then cosine to 0."""
+    warm = max(1, math.ceil(warmup_ratio * total))
+    if step < warm:
+        return (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# What `dflash train` defaults to for GPUs; on a CPU they make a step take minutes.
+_GPU_SIZES = {"batch_tokens": 4096, "anchors": 128, "draft_layers": 2}
+
+
+def warn_cpu_sizes(cfg: "TrainConfig") -> None:
+    """Warn (one line) when a CPU run has options sized for GPUs."""
+    big = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k, limit in _GPU_SIZES.items() if getattr(cfg, k) > limit]
+    if big:
+        log.warning("training on a CPU with options sized for GPUs (%s): a step may take minutes; for a CPU try "
+                    "--batch-tokens 2048 --anchors 64 --draft-layers 1", ", ".join(big))

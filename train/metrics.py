@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .stream import StepData
 
 __all__ = ["METRICS_FILE", "PLOT_FILE", "require_tensorboard", "read_metrics", "truncate_metrics", "RunLog", "Window",
-           "plot_run"]
+           "plot_run", "device_peak", "step_record"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,11 @@ def truncate_metrics(run: str | os.PathLike, step: int) -> int:
     return len(records) - len(keep)
 
 
+# What a validation line of metrics.jsonl holds, in this order.
+_VALIDATION_KEYS = ("split", "step", "epoch", "loss", "loss_weights", "acc", "tau_hat", "slot_accuracy", "accept_rate",
+                    "blocks", "tokens", "shards", "tree_budgets", "tree_tau", "selector_tree_tau")
+
+
 class RunLog:
     """Rank 0's sink for step records: metrics.jsonl, a tqdm bar on a terminal or log lines, TensorBoard."""
 
@@ -114,7 +119,8 @@ class RunLog:
         self.progress.update(to=step, detail=text, force=True)
 
     def validation(self, record: dict[str, Any]) -> None:
-        """Record a validation pass."""
+        """Record a validation pass: its split, step and epoch, and evaluate_shards' numbers that a run tracks."""
+        record = {k: record[k] for k in _VALIDATION_KEYS if k in record}
         self.write(record)
         if self.tb is not None:
             for key in ("loss", "acc", "tau_hat"):
@@ -186,3 +192,59 @@ class Window:
         self.tokens += item.tokens
         if metrics is not None:
             self.metrics = metrics if self.metrics is None else self.metrics + metrics
+
+    def reduce(self, dist: Any, block_size: int) -> tuple["Metrics", float, float, float]:
+        """Return the window's metrics, tokens, data wait and FLOPs summed over every rank."""
+        import torch
+
+        from .objective import Metrics
+
+        B1 = block_size - 1
+        vec = self.metrics.to_tensor() if self.metrics is not None else Metrics(0.0, 0.0, [0] * B1, [0] * B1, 0, 0).to_tensor()
+        extra = torch.tensor([self.tokens, self.wait, self.flops], dtype=torch.float64)
+        both = dist.all_reduce(torch.cat([vec, extra]).to(dist.device)).cpu()
+        tokens, wait, flops = (float(x) for x in both[-3:])
+        return Metrics.from_tensor(both[:-3]), tokens, wait, flops
+
+
+def device_peak(device: Any) -> float | None:
+    """Return the dense bf16 FLOP/s of a CUDA device (None on a CPU or an unknown GPU: no MFU then)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    from ..drafter.flops import peak_flops
+
+    return peak_flops(torch.cuda.get_device_name(device))
+
+
+def step_record(m: "Metrics", tokens: float, wait: float, flops: float, *, cfg: Any, dist: Any, step: int, epoch: int,
+                lr: float, gnorm: float, elapsed: float, block_size: int, eta_s: float,
+                prefetch_depth: int) -> dict[str, Any]:
+    """Return one step line of metrics.jsonl from a window's metrics summed over the ranks."""
+    import torch
+
+    peak = device_peak(dist.device)
+    peak = peak * dist.world if peak else None
+    counted = sum(m.slot_count)
+    # D-PACE's mean weight per slot shows where its credit goes; decay's would be its constants.
+    dpace = {"slot_weight": m.slot_mean_weight} if cfg.position_weights == "dpace" else {}
+    return {
+        "split": "train", "step": step, "epoch": epoch, "loss": m.loss,
+        "loss_weights": cfg.position_weights, **dpace,
+        "acc": sum(m.slot_correct) / counted if counted else float("nan"), "tau_hat": m.tau_hat,
+        "streak": m.tau_hat - 1.0, "slot_accuracy": m.slot_accuracy, "lr": lr,
+        "grad_norm": gnorm, "tokens_per_s": tokens / max(elapsed, 1e-9),
+        # Query tokens (blocks x block size) and MFU compare runs whose samples differ in length.
+        "query_tokens_per_s": m.blocks * block_size / max(elapsed, 1e-9),
+        "tflops_per_s": flops / max(elapsed, 1e-9) / 1e12,
+        "mfu": flops / max(elapsed, 1e-9) / peak if peak else None,
+        "data_wait": wait / dist.world / max(elapsed, 1e-9),
+        "prefetch_depth": prefetch_depth,
+        "eta_s": eta_s, "blocks": m.blocks,
+        **m.selector_dict(),  # DFlash 2's loss terms and selector metrics; none for DFlash 1
+        **m.objective_dict(),  # --tree-loss and --accept-loss terms; none when off
+        # This rank's peak device memory so far (what a larger drafter or batch has to fit in).
+        "peak_mem_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30
+        if torch.device(dist.device).type == "cuda" else None,
+    }

@@ -2,6 +2,7 @@
 
 Everything here is a function of numbers (shard ids, sample lengths, seed, epoch), never of timing or world state,
 so every rank computes the same plan on its own and a resumed run replays the killed run's batches exactly.
+ShardLengths is the one reader of those numbers: each shard's sample lengths, read once from the store.
 
 A *slot* is one stream of micro-batches: world_size * grad_accum of them. Step s of an epoch takes micro-batch s
 of every slot; rank r serves slots r*grad_accum .. r*grad_accum + grad_accum - 1. The global batch therefore
@@ -11,11 +12,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptShard
+
+if TYPE_CHECKING:
+    from ..storage import Store
 
 __all__ = [
     "planned_total",
@@ -29,6 +33,7 @@ __all__ = [
     "plan_round",
     "batch_seed",
     "LoaderState",
+    "ShardLengths",
 ]
 
 log = logging.getLogger(__name__)
@@ -263,3 +268,28 @@ def planned_total(epoch_steps: Callable[[int], int], first_epoch: int, epochs: i
             break
         total += epoch_steps(e)
     return min(total, max_steps) if max_steps else total
+
+
+class ShardLengths:
+    """Sample lengths of each shard, read once from its small `offsets` array (corrupt shards: none, counted)."""
+
+    def __init__(self, store: "Store", skip_corrupt: bool) -> None:
+        self.store, self.skip_corrupt = store, skip_corrupt
+        self.cache: dict[int, np.ndarray] = {}
+        self.corrupt: dict[int, str] = {}
+
+    def __getitem__(self, sid: int) -> np.ndarray:
+        if sid not in self.cache:
+            try:
+                self.cache[sid] = self.store.sample_lengths(sid)
+            except CorruptShard as e:
+                if not self.skip_corrupt:
+                    raise CorruptShard(f"{e}; or rerun `dflash train` with --skip-corrupt to train without it") from None
+                log.warning("skipping corrupt shard (--skip-corrupt): %s", e)
+                self.corrupt[sid] = str(e)
+                self.cache[sid] = np.zeros(0, np.int64)
+        return self.cache[sid]
+
+    def load(self, ids: list[int]) -> dict[int, np.ndarray]:
+        """Return {id: lengths} for the shards."""
+        return {s: self[s] for s in ids}

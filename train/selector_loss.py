@@ -25,7 +25,8 @@ import torch
 from torch.nn import functional as F
 
 from ..drafter.linear_ce import candidate_logits
-from ..drafter.model import DrafterConfig, unary_logits
+from ..drafter.config import DrafterConfig
+from ..drafter.model import unary_logits
 from ..drafter.selector import CandidateSelector
 
 __all__ = ["SELECTOR_WEIGHT", "SelectorTerms", "training_candidates", "selector_loss", "selector_tree_depths"]

@@ -21,7 +21,9 @@ from .prefetch import ShardPrefetcher, Stopped
 if TYPE_CHECKING:
     import torch
 
-    from ..storage import ShardData, Store
+    from ..config import TrainConfig
+    from ..drafter.config import DrafterConfig
+    from ..storage import Store
     from ..drafter.batch import PackedBatch
 
 __all__ = ["StreamSpec", "RoundStream", "RoundStreams", "StepData"]
@@ -55,6 +57,16 @@ class StreamSpec:
     depth: int = 2  # whole shards read ahead beyond what the current steps hold
     skip_corrupt: bool = False
     ahead: int = 2  # steps of batches built ahead
+
+    @classmethod
+    def of_run(cls, cfg: "TrainConfig", dcfg: "DrafterConfig", dist: Any) -> "StreamSpec":
+        """Return the spec of this rank's streams in a `dflash train` run (its slots: rank x grad-accum onwards)."""
+        from .packing import max_blocks_for
+
+        return cls(slots=list(range(dist.rank * cfg.grad_accum, (dist.rank + 1) * cfg.grad_accum)), seed=cfg.seed,
+                   block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, anchors=cfg.anchors,
+                   max_blocks=max_blocks_for(cfg.batch_tokens), device=dist.device, depth=cfg.prefetch_shards,
+                   skip_corrupt=cfg.skip_corrupt)
 
 
 def _schedule(plan: Round, slots: list[int], steps: range) -> tuple[list[int], dict[int, int], int]:
@@ -110,7 +122,7 @@ class RoundStream:
         return [self.plan.batches[k][s] for k in self.slots]
 
     def _pack(self, samples: list[Sample], s: int, slot: int) -> tuple["PackedBatch | None", int]:
-        from .objective import pack_batch
+        from .packing import pack_batch
 
         seqs, skipped = [], 0
         for sid, idx, n in samples:

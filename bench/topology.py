@@ -184,9 +184,9 @@ def commits(store: Path) -> int:
 
 def checkpoint_step(run: Path) -> int | None:
     """Return the newest complete checkpoint's step of a run, or None."""
-    from dflash.train.checkpoint import latest_checkpoint
+    from dflash.drafter.folders import newest_sound
 
-    folder = latest_checkpoint(run) if (run / "checkpoints").is_dir() else None
+    folder = newest_sound(run / "checkpoints") if (run / "checkpoints").is_dir() else None
     return int(folder.name.split("-")[1]) if folder is not None else None
 
 

@@ -199,7 +199,7 @@ def cli(log_level: str) -> None:
     extract: conversations -> target forward on GPUs -> zarr shards + manifest
     train:   committed shards -> drafter training on other GPUs (can follow a running extract)
     """
-    from .runtime import setup_logging, skip_unused_packages
+    from .runtime.process import setup_logging, skip_unused_packages
 
     skip_unused_packages()  # before anything imports transformers
     setup_logging(log_level)
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: DflashError -> one line on stderr and exit 2; SIGINT/SIGTERM -> one line and exit
     130/143 once the work has unwound (claims released, a checkpoint finished or abandoned); anything else keeps
     its traceback."""
-    from .runtime import guard_std_streams, install_signal_handlers, interrupt_exit_code, lost_output
+    from .runtime.process import guard_std_streams, install_signal_handlers, interrupt_exit_code, lost_output
 
     if argv is None:  # the console entry point: this process's own streams (an in-process caller keeps its own)
         guard_std_streams()

@@ -276,7 +276,7 @@ class StageConfig:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the config as JSON, atomically (temp file, fsync, rename)."""
-        from .atomic import write_atomic
+        from .runtime.atomic import write_atomic
 
         write_atomic(path, self.to_json() + "\n")
 

@@ -114,7 +114,7 @@ def main() -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "from dflash.assets import smollm2_folder; print(smollm2_folder())"],
+    subprocess.run([sys.executable, "-c", "from dflash.demo.assets import smollm2_folder; print(smollm2_folder())"],
                    check=True, env=env)
     report["setup_convert_s"] = round(time.perf_counter() - t, 1)
     print(f"set-up: GGUF -> bf16 folder {report['setup_convert_s']} s", flush=True)

@@ -17,7 +17,7 @@ import time
 import torch
 
 from dflash.facts import build_target_layer_ids
-from dflash.testing import QWEN3_8B_CONFIG
+from dflash.tests.tiny_targets import QWEN3_8B_CONFIG
 from dflash.drafter.config import DrafterConfig
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.flops import H200_BF16_PEAK, step_flops

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.testing import QWEN3_8B_CONFIG
+from dflash.tests.tiny_targets import QWEN3_8B_CONFIG
 from dflash.extract.timeline import STARTUP_BACKGROUND
 
 # --smoke: the same code path on the CPU with a small Qwen3, to check the script before spending GPU time.
@@ -91,7 +91,7 @@ def synthetic_samples(total_tokens: int, max_length: int, seed: int = 0) -> list
 
 def make_target(folder: Path, device: torch.device, config: dict) -> None:
     """Write a random-init target of `config` with the test tokenizer (one token per character) to folder, once."""
-    from dflash.testing import build_tokenizer
+    from dflash.tests.tiny_targets import build_tokenizer
 
     if (folder / "config.json").is_file():
         return
@@ -238,7 +238,7 @@ def settle() -> bool:
 # tokenizer and modeling code (the load's thread), the store's compressor, and flash-attn where installed (the
 # CUDA load picks it).
 IMPORT_SET = ("import dflash.cli\n"
-              "from dflash.runtime import skip_unused_packages; skip_unused_packages()\n"  # as the CLI group does
+              "from dflash.runtime.process import skip_unused_packages; skip_unused_packages()\n"  # as the CLI group does
               "import torch\n"
               "from transformers import AutoConfig, AutoTokenizer\n"
               "import numcodecs.blosc, dflash.storage\n"
@@ -354,7 +354,7 @@ def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.de
     from dflash.config import ExtractConfig
     from dflash.target.load import load_for_features
     from dflash.target.runner import TargetRunner, pad_batch
-    from dflash.chatfiles import read_rows
+    from dflash.conversations import read_rows
     from dflash.extract.plan import make_plan, pack_batches, scan_rows
     from dflash.extract.template import ChatEncoder, load_template
     from dflash.extract.worker import prepare_shard

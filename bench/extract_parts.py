@@ -87,7 +87,7 @@ class TimedRunner:
 
 def setup(args: argparse.Namespace) -> dict[str, Any]:
     """Return the case's config, header, rows, encoder, runner and per-shard samples (the command's own steps)."""
-    from dflash.chatfiles import read_rows
+    from dflash.conversations import read_rows
     from dflash.config import ExtractConfig
     from dflash.target.load import load_for_features
     from dflash.target.runner import TargetRunner

@@ -30,11 +30,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from dflash import demo
-    from dflash.assets import smollm2_folder
+    from dflash.demo.assets import smollm2_folder
     from dflash.config import DemoConfig, EvalConfig
-    from dflash.demo_data import DATA_FILE, held_out_prompt_ids
+    from dflash.demo.data import DATA_FILE, held_out_prompt_ids
     from dflash.extract import run as extract
-    from dflash.runtime import setup_logging
+    from dflash.runtime.process import setup_logging
     from dflash.train import run as train
     from dflash.train.evaluate import run_eval
     from dflash.train.export import export_drafter

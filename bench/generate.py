@@ -55,7 +55,7 @@ def _fresh(work: str) -> Path:
 
 def _bundled(path: Path, n: int) -> None:
     """Write the bundled prompts, repeated to n rows, to path."""
-    from dflash.assets import prompts_path
+    from dflash.demo.assets import prompts_path
 
     lines = [ln for ln in prompts_path().read_text(encoding="utf-8").splitlines() if ln.strip()]
     path.write_text("".join(lines[i % len(lines)] + "\n" for i in range(n)), encoding="utf-8")
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/dflash-bench-generate")
     args = ap.parse_args()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    from dflash.assets import prompts_path, smollm2_folder
+    from dflash.demo.assets import prompts_path, smollm2_folder
 
     model = args.model or str(smollm2_folder())
     work = _fresh(args.work)

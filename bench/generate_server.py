@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/dflash-bench-generate-server")
     args = ap.parse_args()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    from dflash.assets import smollm2_folder
+    from dflash.demo.assets import smollm2_folder
 
     model = args.model or str(smollm2_folder())
     work = _fresh(args.work)

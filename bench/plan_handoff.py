@@ -45,7 +45,7 @@ def _round_trip(obj: object) -> tuple[int, float, float]:
 
 
 def main() -> None:
-    from dflash.chatfiles import read_rows
+    from dflash.conversations import read_rows
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=800_000)

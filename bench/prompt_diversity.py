@@ -60,7 +60,7 @@ def main() -> None:
     import torch
 
     from dflash import demo
-    from dflash.assets import smollm2_folder
+    from dflash.demo.assets import smollm2_folder
     from dflash.config import ExtractConfig, GenerateConfig, TrainConfig
     from dflash.extract import run as extract
     from dflash.generate.answer import run as generate

@@ -55,7 +55,7 @@ def main() -> None:
 
     from dflash import demo
     from dflash.config import DemoConfig
-    from dflash.runtime import setup_logging
+    from dflash.runtime.process import setup_logging
 
     setup_logging("INFO")
     budget = demo.BUDGETS[args.budget]

@@ -153,7 +153,7 @@ def real_smollm2_bits(tokens: int) -> np.ndarray | None:
     ids_ = build_target_layer_ids(model.config.num_hidden_layers)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     texts = []
-    with open(os.path.join(here, "data", "prompts.jsonl")) as f:
+    with open(os.path.join(here, "demo", "prompts.jsonl")) as f:
         for line in f:
             row = json.loads(line)
             msgs = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
@@ -200,7 +200,7 @@ def run(args, root: str, cuda: bool) -> None:
     import torch
 
     from dflash.storage.reader import read_pool
-    from dflash.storage.synthetic import activation_bits
+    from dflash.tests.synthetic_shards import activation_bits
 
     H = args.hidden
     T = int(args.gb * 1e9 / (L * H * 2))

@@ -84,7 +84,7 @@ def make_folder(folder: Path, model_type: str, config: dict) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from dflash.testing import build_tokenizer
+    from dflash.tests.tiny_targets import build_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     AutoConfig.for_model(model_type, **config).save_pretrained(folder)

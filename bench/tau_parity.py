@@ -22,7 +22,7 @@ import torch
 
 
 def _prompts(tokenizer, n: int) -> list[list[dict]]:
-    from dflash.assets import prompts_path
+    from dflash.demo.assets import prompts_path
 
     lines = [json.loads(ln) for ln in prompts_path().read_text(encoding="utf-8").splitlines() if ln.strip()][:n]
     return [rec["messages"] if "messages" in rec else [{"role": "user", "content": rec["prompt"]}] for rec in lines]
@@ -164,7 +164,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from dflash.assets import smollm2_folder
+    from dflash.demo.assets import smollm2_folder
     from dflash.demo import SMOLLM2_MASK_TOKEN
     from dflash.decode.speculative import greedy_decode, load_target
     from dflash.facts import build_target_layer_ids

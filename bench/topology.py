@@ -55,7 +55,7 @@ def make_target(folder: Path, device: str) -> dict[str, Any]:
     """Write the target folder (model + tokenizer) and return its facts (layers, hidden size, vocab, tokenizer size)."""
     import torch
 
-    from dflash.testing import QWEN3_8B_CONFIG, build_tiny_target, build_tokenizer
+    from dflash.tests.tiny_targets import QWEN3_8B_CONFIG, build_tiny_target, build_tokenizer
 
     if device == "cpu":
         build_tiny_target(folder, "qwen3")

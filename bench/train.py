@@ -35,8 +35,8 @@ import torch
 from dflash.config import TrainConfig
 from dflash.facts import build_target_layer_ids
 from dflash.storage import Store
-from dflash.storage.synthetic import activation_bits
-from dflash.testing import QWEN3_8B_CONFIG
+from dflash.tests.synthetic_shards import activation_bits
+from dflash.tests.tiny_targets import QWEN3_8B_CONFIG
 from dflash.train.dist import Dist
 from dflash.train.plan import ShardLengths, plan_round
 from dflash.train.learner import Learner

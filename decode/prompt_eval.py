@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..atomic import append_lines, repair_torn_tail
-from ..chatfiles import BadRowLog, jsonl_lines, read_rows, report_bad_rows
+from ..runtime.atomic import append_lines, repair_torn_tail
+from ..conversations import BadRowLog, jsonl_lines, read_rows, report_bad_rows
 from ..errors import InputError
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ def run_prompt_eval(cfg: "EvalConfig", folder: Path, record: dict[str, Any] | No
     from .drafting import drafter_proposer
     from .speculative import compare_one, load_target, static_decoder, summarize
     from .tree import tree_decoders
-    from ..runtime import Progress
+    from ..runtime.process import Progress
     from ..drafter.files import load_drafter
 
     target_dir = cfg.target or (record or {}).get("config", {}).get("target")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..atomic import write_atomic
+from ..runtime.atomic import write_atomic
 from ..errors import DflashError, InputError
 from .config import DrafterConfig
 from .folders import DRAFTER_CONFIG, EXPORT_CONFIG, WEIGHTS, resolve_drafter

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime import Progress, format_eta
+from ..runtime.process import Progress, format_eta
 from .plan import ExtractionPlan, format_bytes, fp8_advice
 from .worker import open_pipeline, prepare_shard
 

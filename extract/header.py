@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ..conversations import generated_by
 from ..errors import ConfigError, InputError
 from ..facts import NUM_FEATURE_LAYERS, build_target_layer_ids, validate_layer_ids
-from ..chatfiles import fingerprint, input_files
+from ..conversations import fingerprint, input_files
 from ..target.adapter import text_config
 from .plan import RowScan, default_shard_size, shard_record
 from .template import text_hash

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..config import resolve_devices
-from ..runtime import launch, ranks_from_env
+from ..runtime.process import launch, ranks_from_env
 from ..errors import InputError, StoreError
-from ..chatfiles import BadRowLog, read_rows, report_bad_rows
+from ..conversations import BadRowLog, read_rows, report_bad_rows
 
 if TYPE_CHECKING:
     from ..config import ExtractConfig

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..chatfiles import BadRowLog, Row
+from ..conversations import BadRowLog, Row
 from ..errors import InputError, StoreError
 
 __all__ = [

@@ -5,7 +5,7 @@ import logging
 import time
 from typing import Any
 
-from ..runtime import Progress as Display
+from ..runtime.process import Progress as Display
 
 __all__ = ["Progress", "summarise", "format_summary"]
 

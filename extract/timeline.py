@@ -132,7 +132,7 @@ def write_profile(path: str, workers: list[dict[str, Any]], **extra: Any) -> Non
     """Write the timelines as one JSON file, atomically (per-worker parts, shard rows and background totals)."""
     import json
 
-    from ..atomic import write_atomic
+    from ..runtime.atomic import write_atomic
     from ..errors import InputError
 
     doc = {"version": 1, **extra, "workers": workers}

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import InputError, StoreError
-from ..chatfiles import BadRowLog, Row
+from ..conversations import BadRowLog, Row
 from .plan import claim_order
 
 if TYPE_CHECKING:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..atomic import append_lines, repair_torn_tail
-from ..chatfiles import prompt_turns
+from ..runtime.atomic import append_lines, repair_torn_tail
+from ..conversations import prompt_turns
 from ..errors import InputError
-from ..runtime import Progress as Display
+from ..runtime.process import Progress as Display
 from ..target.load import Loaded, load_for_chat
 from .client import Servers
 from .model import NUMERICS, check_identity, resolve

@@ -37,7 +37,7 @@ def resolve(cfg: "GenerateConfig") -> "GenerateConfig":
     if not Path(cfg.model).is_dir():
         raise InputError(
             f"--model {cfg.model}: expected a Hugging Face model folder, found none; pass a save_pretrained folder "
-            "(the embedded target: python -c 'from dflash.assets import smollm2_folder; print(smollm2_folder())')"
+            "(the embedded target: python -c 'from dflash.demo.assets import smollm2_folder; print(smollm2_folder())')"
         )
     # On CPU, bf16 answers depend on the batch: with left padding SmolLM2's first-token logits moved by 0.9 and
     # "The capital of France is Paris." became "L'Etoile, ..."; even eager attention changed 9 of 16 answers

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..chatfiles import BadRowLog, jsonl_lines, prompt_turns, read_rows, report_bad_rows
+from ..conversations import BadRowLog, jsonl_lines, prompt_turns, read_rows, report_bad_rows
 from ..conversations import message
 from ..errors import InputError
 

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ..atomic import append_lines, repair_torn_tail
+from ..runtime.atomic import append_lines, repair_torn_tail
 from ..errors import ConfigError, InputError
-from ..runtime import Progress
+from ..runtime.process import Progress
 from ..target.load import load_for_chat
 from .model import NUMERICS, check_identity, resolve
 from .prompts import read_prompts, written_lines

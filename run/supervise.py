@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ExtractConfig, RunConfig, TrainConfig, parse_gpus
-from ..runtime import format_eta
+from ..runtime.process import format_eta
 from .stage import STOP_TIMEOUT_S, Stage
 from .watch import Metrics, StoreView
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..runtime import format_eta
+from ..runtime.process import format_eta
 
 __all__ = ["Metrics", "StoreView", "METRICS"]
 

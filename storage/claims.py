@@ -7,7 +7,7 @@ import os
 import time
 import uuid
 
-from ..locks import HOST, holder_is_live, start_time_of
+from ..runtime.locks import HOST, holder_is_live, start_time_of
 from .fs import StoreFS
 from .layout import claim_path, dumps
 

@@ -9,7 +9,7 @@ import socket
 import uuid
 from typing import Any
 
-from ..atomic import fsync_dir, write_atomic, write_durable
+from ..runtime.atomic import fsync_dir, write_atomic, write_durable
 
 __all__ = ["StoreFS", "LocalFS", "FsspecFS", "open_fs", "PARTIAL_SUFFIX", "writer_tag", "temp_writer", "aligned_buffer",
            "is_aligned", "ALIGN"]

@@ -5,7 +5,7 @@ import json
 import logging
 from typing import Any, Callable
 
-from ..nested import flatten, nested_diff
+from ..runtime.nested import flatten, nested_diff
 from ..errors import ManifestMismatch, StoreError
 from .codec import CODECS
 

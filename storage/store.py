@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import CorruptShard, ManifestMismatch, StoreError
 from . import claims
-from ..locks import pid_alive
+from ..runtime.locks import pid_alive
 from .fs import PARTIAL_SUFFIX, StoreFS, open_fs, temp_writer, writer_tag
 from .layout import (
     CLAIMS,

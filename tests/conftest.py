@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     """A tiny random Qwen3 target folder (ChatML template, 8 layers, hidden 64, vocab larger than the tokenizer)."""
-    from dflash.testing import build_tiny_target
+    from dflash.tests.tiny_targets import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
 
@@ -39,12 +39,12 @@ def tiny_qwen3(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A tiny random Llama target folder (Llama-3-style template, 8 layers, hidden 64)."""
-    from dflash.testing import build_tiny_target
+    from dflash.tests.tiny_targets import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
 
-_CONVERT = "from dflash.assets import smollm2_folder; print(smollm2_folder())"
+_CONVERT = "from dflash.demo.assets import smollm2_folder; print(smollm2_folder())"
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +55,7 @@ def converted(tmp_path_factory):
     import subprocess
     import sys
 
-    from dflash import assets
+    from dflash.demo import assets
 
     cache = tmp_path_factory.mktemp("dflash-cache")
     # What a converter killed two hours ago leaves behind; the next conversion clears it away.

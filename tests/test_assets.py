@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash import assets
+from dflash.demo import assets
 from dflash.errors import AssetError
 from dflash.generate.answer import read_prompts
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash import chatfiles
-from dflash.chatfiles import jsonl_lines, read_rows
+from dflash.conversations import formats as chatfiles
+from dflash.conversations import jsonl_lines, read_rows
 from dflash.errors import InputError
 from dflash.generate.prompts import read_prompts
 
@@ -156,7 +156,7 @@ def test_two_arrays_back_to_back_are_refused_naming_the_byte_for_every_stage(tmp
         read_rows([str(path)])  # extract
     with pytest.raises(InputError, match=match):
         read_prompts(path)  # generate --prompts
-    from dflash.testing import build_tokenizer
+    from dflash.tests.tiny_targets import build_tokenizer
     from dflash.decode.prompt_eval import prompt_ids
 
     with pytest.raises(InputError, match=match):

@@ -206,7 +206,7 @@ def test_unused_packages_count_as_absent_to_transformers(tmp_path, skip):
     env, marker = _fake_sklearn(tmp_path)
     code = (
         "import importlib, sys\n"
-        + ("from dflash.runtime import skip_unused_packages; print(skip_unused_packages())\n" if skip
+        + ("from dflash.runtime.process import skip_unused_packages; print(skip_unused_packages())\n" if skip
            else "print([])\n")
         + "from transformers.utils import is_sklearn_available\n"
         "print(is_sklearn_available())\n"
@@ -222,7 +222,7 @@ def test_unused_packages_count_as_absent_to_transformers(tmp_path, skip):
 
 
 def test_unused_packages_kept_when_asked_or_already_imported(tmp_path, monkeypatch):
-    from dflash.runtime import skip_unused_packages
+    from dflash.runtime.process import skip_unused_packages
 
     monkeypatch.setenv("DFLASH_KEEP_PACKAGES", "sklearn")
     assert skip_unused_packages(["sklearn"]) == []

@@ -58,7 +58,7 @@ def test_demo_tiny_budget_survives_a_kill_and_ends_in_the_table(tmp_path, reques
     assert (out / "answers.jsonl").read_text().splitlines() == answers and len(answers) == 25
     assert set(stages) == {"prompts", "generate", "extract", "train", "eval", "export", "decode", "humaneval"}
     # 5 prompts the target wrote itself, none a bundled one; the held-out shard holds bundled prompts only.
-    from dflash.assets import prompts_path
+    from dflash.demo.assets import prompts_path
 
     bundled = [json.loads(ln) for ln in prompts_path().read_text().splitlines() if ln.strip()]
     written = [json.loads(ln)["prompt"] for ln in (out / "self-prompts.jsonl").read_text().splitlines()]
@@ -168,7 +168,7 @@ def test_format_table_says_plainly_when_speculative_decoding_is_slower_on_the_cl
 
 
 def test_data_file_keeps_each_prompts_answers_together_in_prompt_order(tmp_path):
-    from dflash import demo_data as demo
+    from dflash.demo import data as demo
     from dflash.extract.plan import shard_ranges
 
     def rec(row: int, text: str, prompt: int | None = None) -> str:
@@ -202,7 +202,7 @@ def test_budget_auto_follows_the_device_and_bad_budgets_are_named():
 
 
 def test_held_out_prompts_come_first_spread_over_the_bundled_file_whatever_the_self_written_count():
-    from dflash import demo_data
+    from dflash.demo import data as demo_data
     from dflash.demo import BUDGETS
     from dflash.extract.plan import shard_ranges
 

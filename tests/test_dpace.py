@@ -125,7 +125,7 @@ def _learner_grads(target: str, micro: list[int], report=None) -> dict:
 
 
 def test_two_gloo_ranks_with_uneven_anchors_equal_one_rank_accumulating_both(tiny_qwen3) -> None:
-    from dflash.runtime import launch
+    from dflash.runtime.process import launch
 
     one = _learner_grads(str(tiny_qwen3), [0, 1])
     ranks = launch(_learner_grads, [(str(tiny_qwen3), [0]), (str(tiny_qwen3), [1])], what="test rank",

@@ -111,7 +111,7 @@ def test_config_is_derived_from_the_target(tiny_qwen3) -> None:
 def test_target_head_reads_only_the_two_tensors(tmp_path, tied: bool) -> None:
     from transformers import AutoModelForCausalLM
 
-    from dflash.testing import build_tiny_target
+    from dflash.tests.tiny_targets import build_tiny_target
 
     path = build_tiny_target(tmp_path / "t", "qwen3", num_layers=2, tie_word_embeddings=tied)
     head = load_target_head(path)

@@ -189,7 +189,7 @@ def test_spawned_workers_split_the_shards(crash_data, tiny_qwen3, reference, tmp
     # The multi-device path (one spawned process per device) on two CPU "devices": same store as one process.
     from transformers import AutoConfig, AutoTokenizer
 
-    from dflash.chatfiles import read_rows
+    from dflash.conversations import read_rows
     from dflash.extract.header import build_header
     from dflash.extract.orchestrate import _run_spawned
     from dflash.extract.plan import make_plan, scan_rows

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dflash.errors import InputError
-from dflash.chatfiles import fingerprint, input_files, read_rows
+from dflash.conversations import fingerprint, input_files, read_rows
 
 MESSAGES = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 SHAREGPT = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}

@@ -86,7 +86,7 @@ def test_the_plan_hands_workers_the_data_index_not_its_parsed_rows(tmp_path):
     import json
     import pickle
 
-    from dflash.chatfiles import read_rows
+    from dflash.conversations import read_rows
 
     data = tmp_path / "conv.jsonl"
     turn = [{"role": "user", "content": "q" * 5000}, {"role": "assistant", "content": "a" * 5000}]

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from dflash.storage import Store
-from dflash.testing import build_tiny_target
+from dflash.tests.tiny_targets import build_tiny_target
 from test_extract_run import write_conversations
 
 

@@ -29,7 +29,7 @@ def _one_line(proc: subprocess.CompletedProcess, text: str) -> None:
 def test_an_encoder_model_is_refused_naming_what_is_supported(tmp_path, data_file, capsys):  # noqa: F811
     from transformers import BertConfig
 
-    from dflash.testing import build_tokenizer
+    from dflash.tests.tiny_targets import build_tokenizer
 
     bert = tmp_path / "bert"
     tok = build_tokenizer("chatml")

@@ -80,7 +80,7 @@ def test_a_store_from_before_target_fingerprints_resumes(tiny_qwen3, data_file, 
 
 
 def test_a_copied_or_moved_target_is_the_same_target(tiny_qwen3, data_file, tmp_path):
-    from dflash.testing import build_tiny_target
+    from dflash.tests.tiny_targets import build_tiny_target
 
     out = tmp_path / "store"
     run(extract_config(tiny_qwen3, data_file, out))
@@ -116,7 +116,7 @@ def test_refused_runs_leave_no_store_and_a_skeleton_is_replaced(tiny_qwen3, data
     # A skeleton (header, no shard: a run killed while loading the model) gives way to a run with other options.
     from transformers import AutoConfig, AutoTokenizer
 
-    from dflash.chatfiles import read_rows
+    from dflash.conversations import read_rows
 
     first = extract_config(tiny_qwen3, data_file, out, layers=(1, 2))
     tok = AutoTokenizer.from_pretrained(tiny_qwen3)

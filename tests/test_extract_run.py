@@ -102,7 +102,7 @@ def data_file(tmp_path_factory) -> Path:
 def test_stored_features_equal_the_full_model_on_each_sample(target, dtype, gpus, data_file, tmp_path, request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.chatfiles import read_rows
+    from dflash.conversations import read_rows
     from dflash.extract.template import ChatEncoder
 
     model_dir = request.getfixturevalue(target)
@@ -178,7 +178,7 @@ def test_gpus_without_cuda_is_an_input_error():
 
 
 def test_vocabulary_without_a_spare_row_needs_mask_token_id(data_file, tmp_path):
-    from dflash.testing import build_tiny_target
+    from dflash.tests.tiny_targets import build_tiny_target
 
     model = build_tiny_target(tmp_path / "full-vocab", "llama", num_layers=4, spare_vocab=0)
     with pytest.raises(InputError, match="pass --mask-token-id"):

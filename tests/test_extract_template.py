@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash.chatfiles import normalise
+from dflash.conversations import normalise
 from dflash.extract.template import ChatEncoder, TemplateError, load_template
-from dflash.testing import build_tokenizer
+from dflash.tests.tiny_targets import build_tokenizer
 
 CONVERSATIONS = {
     "messages": {

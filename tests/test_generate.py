@@ -11,7 +11,7 @@ import pytest
 
 from dflash.config import GenerateConfig
 from dflash.errors import ConfigError, InputError
-from dflash.chatfiles import normalise
+from dflash.conversations import normalise
 from dflash.generate.answer import read_prompts, run
 
 PROMPTS = [

@@ -27,7 +27,7 @@ def eager_target(request, tmp_path_factory) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.testing import build_tiny_target
+    from dflash.tests.tiny_targets import build_tiny_target
 
     path = build_tiny_target(tmp_path_factory.mktemp(f"eager-{request.param}"), request.param)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -126,7 +126,7 @@ def chatty(tmp_path_factory) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.testing import build_tiny_target
+    from dflash.tests.tiny_targets import build_tiny_target
 
     path = build_tiny_target(tmp_path_factory.mktemp("chatty"), "llama")
     model = AutoModelForCausalLM.from_pretrained(path)

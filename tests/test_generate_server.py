@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.chatfiles import normalise
+from dflash.conversations import normalise
 from dflash.cli import main
 from dflash.config import GenerateConfig, parse_sampling_mix
 from dflash.conversations import generated_by

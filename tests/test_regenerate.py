@@ -15,7 +15,7 @@ import pytest
 from dflash.config import GenerateConfig
 from dflash.errors import ConfigError, DflashError
 from dflash.generate.answer import run as generate
-from dflash.testing import CHATML_TEMPLATE
+from dflash.tests.tiny_targets import CHATML_TEMPLATE
 from test_chatfiles import LINE_LIKE
 from test_extract_run import extract_config, one_torch_thread, store_samples  # noqa: F401
 
@@ -147,7 +147,7 @@ def test_line_like_characters_round_trip_demo_generate_extract(tiny_qwen3, tmp_p
     answered by generate and extracted unchanged."""
     from transformers import AutoTokenizer
 
-    from dflash.demo_data import prompt_lines, write_lines
+    from dflash.demo.data import prompt_lines, write_lines
     from dflash.extract import run as extract
     from dflash.extract.template import ChatEncoder
 

@@ -22,7 +22,7 @@ from dflash.storage import Store
 from dflash.storage import fs as fs_module
 from dflash.storage.fs import writer_tag
 from dflash.storage.follow import follow_commits
-from dflash.storage.synthetic import synthetic_sample, write_synthetic_shard
+from dflash.tests.synthetic_shards import synthetic_sample, write_synthetic_shard
 
 L, H = 3, 32
 

@@ -11,7 +11,7 @@ import pytest
 from dflash.cli import main
 from dflash.errors import CorruptShard
 from dflash.storage import Store
-from dflash.storage.synthetic import write_synthetic_shard
+from dflash.tests.synthetic_shards import write_synthetic_shard
 
 HEADER = {"layer_ids": [1, 4], "hidden_size": 48, "codec": "blosc", "shard_plan": {"num_shards": 3}, "tag": "t"}
 

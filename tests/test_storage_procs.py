@@ -13,7 +13,7 @@ import pytest
 
 from dflash.storage import Store
 from dflash.storage.follow import follow_commits
-from dflash.storage.synthetic import synthetic_sample, write_synthetic_shard
+from dflash.tests.synthetic_shards import synthetic_sample, write_synthetic_shard
 
 HEADER = {"layer_ids": [3, 9], "hidden_size": 256, "codec": "blosc", "shard_plan": {"num_shards": 8}, "run": "procs"}
 SAMPLES = 6
@@ -24,7 +24,7 @@ CHUNK = 128
 WORKER = """
 import sys
 from dflash.storage import Store
-from dflash.storage.synthetic import write_synthetic_shard
+from dflash.tests.synthetic_shards import write_synthetic_shard
 url, ids = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
 store = Store.open(url, chunk_tokens={chunk})
 print("ready", flush=True)

@@ -42,7 +42,7 @@ def test_extract_completes_with_stderr_full_closed_or_gone(tiny_qwen3, data_file
 
 
 def test_a_lossy_stream_counts_what_it_drops():
-    from dflash.runtime import LossyStream
+    from dflash.runtime.process import LossyStream
 
     with open("/dev/full", "w") as full:
         s = LossyStream(full, "stderr")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.testing import TINY_ARCHS, TINY_WINDOW, build_tiny_target
+from dflash.tests.tiny_targets import TINY_ARCHS, TINY_WINDOW, build_tiny_target
 from test_extract_run import one_torch_thread, store_samples, write_conversations  # noqa: F401
 from test_extract_refusals import _one_line
 from test_train_run import dflash_main
@@ -88,7 +88,7 @@ def test_extract_train_export(arch, tiny_target, conversations, tmp_path, capsys
 def test_a_layer_kind_dflash_cannot_verify_is_refused_before_any_store(tmp_path, conversations, capsys):
     from transformers import AutoModelForCausalLM, Lfm2Config
 
-    from dflash.testing import build_tokenizer
+    from dflash.tests.tiny_targets import build_tokenizer
 
     tok = build_tokenizer("chatml")
     path = tmp_path / "lfm2"

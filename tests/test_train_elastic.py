@@ -72,7 +72,7 @@ def killed_two_rank_run(store, tiny_qwen3, tmp_path_factory) -> Path:
     p.wait()
     # The ranks die with the group, but a rank inside a system call (an fsync of its background checkpoint) dies
     # when the call returns: until then it holds the run's lock, rightly. Resume once it is gone.
-    from dflash.locks import pid_alive
+    from dflash.runtime.locks import pid_alive
 
     lock = run / "train.lock"
     holder = json.loads(lock.read_text())["pid"] if lock.is_file() else None

@@ -157,7 +157,7 @@ def test_a_signal_stops_train_with_one_line_and_the_lock_released(store, tiny_qw
 
 def test_a_signal_during_a_checkpoint_waits_for_it(tmp_path):
     # SIGTERM in the middle of a save is held until the folder is published, then stops the process.
-    from dflash.runtime import Terminated, deferred_signals, install_signal_handlers
+    from dflash.runtime.process import Terminated, deferred_signals, install_signal_handlers
 
     install_signal_handlers()
     try:

@@ -17,7 +17,7 @@ def _rank_main(cfg: "TrainConfig", report: Any) -> None:
 
 def launch_ranks(cfg: "TrainConfig", world: int) -> None:
     """Train in `world` spawned processes (ranks 0..world-1, gloo or NCCL), as torchrun would start them."""
-    from ..runtime import launch
+    from ..runtime.process import launch
 
     launch(_rank_main, [(cfg,)] * world, what="training", dist_env=True)
 
@@ -29,7 +29,7 @@ def run(cfg: "TrainConfig") -> None:
     wrong path fails at once.
     """
     from ..config import resolve_devices
-    from ..runtime import ranks_from_env
+    from ..runtime.process import ranks_from_env
     from .run_folder import preflight
 
     preflight(cfg)

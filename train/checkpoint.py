@@ -27,7 +27,7 @@ from typing import Any, Mapping, Protocol
 
 import numpy as np
 
-from ..atomic import publish_dir, temp_dir, write_durable
+from ..runtime.atomic import publish_dir, temp_dir, write_durable
 from ..drafter.folders import CHECKSUMS, damage, file_xxh3, has_drafter_files, newest_sound, step_folders
 from ..errors import ConfigError, DflashError
 
@@ -149,7 +149,7 @@ class Checkpointer:
         import torch
 
         from ..drafter.files import write_drafter_files
-        from ..runtime import deferred_signals
+        from ..runtime.process import deferred_signals
 
         final = self.step_dir(snap.step)
         tmp = temp_dir(final)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..config import resolve_devices
-from ..runtime import ranks_from_env, setup_logging
+from ..runtime.process import ranks_from_env, setup_logging
 
 if TYPE_CHECKING:
     import torch

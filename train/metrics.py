@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..atomic import write_atomic
+from ..runtime.atomic import write_atomic
 from ..errors import DflashError
-from ..runtime import Progress
+from ..runtime.process import Progress
 
 if TYPE_CHECKING:
     from .objective import Metrics

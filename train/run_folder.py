@@ -11,10 +11,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..atomic import write_atomic
+from ..runtime.atomic import write_atomic
 from ..drafter.folders import RUN_RECORD, read_run_record
 from ..errors import ConfigError, ManifestMismatch
-from ..nested import nested_diff
+from ..runtime.nested import nested_diff
 from .checkpoint import Checkpointer
 from .metrics import METRICS_FILE
 from .plan import split_shards
@@ -130,7 +130,7 @@ def resolve_train_dtype(cfg: "TrainConfig", dist: Any, saved: dict[str, Any] | N
 def lock_run(run: Path) -> Any:
     """Return the held RUN/train.lock (a stale one of a dead process is taken over); ConfigError naming the
     live holder when another trainer has this run folder."""
-    from ..locks import FileLock
+    from ..runtime.locks import FileLock
 
     run.mkdir(parents=True, exist_ok=True)
     lock = FileLock(run / RUN_LOCK)

@@ -15,8 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
-from .atomic import publish_dir, temp_dir, write_durable
-from .errors import AssetError
+from ..runtime.atomic import publish_dir, temp_dir, write_durable
+from ..errors import AssetError
 
 __all__ = [
     "SMOLLM2_GGUF_NAME",
@@ -192,8 +192,8 @@ def smollm2_folder() -> Path:
 
 
 def prompts_path() -> Path:
-    """Return the path of the bundled prompts file (data/prompts.jsonl, shipped as package data)."""
-    path = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
+    """Return the path of the bundled prompts file (prompts.jsonl beside this module, shipped as package data)."""
+    path = Path(__file__).resolve().parent / "prompts.jsonl"
     if not path.is_file():
         raise AssetError(
             f"{path}: expected the bundled prompts file, found nothing; reinstall dflash: pip install -e ."

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .conversations import ROLES, SHAREGPT_ROLES, is_sidecar, message
-from .errors import InputError
+from .messages import ROLES, SHAREGPT_ROLES, is_sidecar, message
+from ..errors import InputError
 
 __all__ = ["Row", "Rows", "BadRowLog", "input_files", "read_rows", "fingerprint", "normalise", "jsonl_lines",
            "report_bad_rows", "prompt_turns", "INVALID_UTF8", "EMPTY_TURNS"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .atomic import write_atomic
-from .errors import ConfigError
+from ..runtime.atomic import write_atomic
+from ..errors import ConfigError
 
 DATA_FILE = "data.jsonl"
 
@@ -37,8 +37,8 @@ def data_order(bundled: int, extra: int, held_out: int) -> list[int]:
 
 def prompt_lines(bundled_file: Path, n: int, self_written: Path | None) -> tuple[list[str], list[str]]:
     """Return the JSON prompt lines: the first n bundled ones, and those of `dflash generate --self-prompts`."""
-    from .generate.prompts import written_lines
-    from .generate.self_prompts import read_written
+    from ..generate.prompts import written_lines
+    from ..generate.self_prompts import read_written
 
     bundled = [raw.decode("utf-8") for _, raw in written_lines(bundled_file)][:n]
     written = read_written(self_written)[0] if self_written is not None else []
@@ -55,7 +55,7 @@ def write_lines(path: Path, lines: list[str], *, repeat: int = 1) -> Path:
 
 def _answers_by_row(path: Path, rows: int) -> list[str]:
     """Return the JSON line of each source row 0..rows-1 of a finished `generate` output (torn lines skipped)."""
-    from .generate.prompts import written_lines
+    from ..generate.prompts import written_lines
 
     by_row: dict[int, str] = {}
     for _, line in written_lines(path):
@@ -78,7 +78,7 @@ def write_data(out: Path, greedy: Path, sampled: Path | None, prompts: int, samp
     prompts: nothing of a held-out prompt is trained on. The greedy answers' generation record goes beside it,
     so the store says in which numerics the data was made.
     """
-    from .conversations import sidecar_path
+    from ..conversations import sidecar_path
 
     lines = _answers_by_row(greedy, prompts)
     extra = _answers_by_row(sampled, prompts * samples) if sampled is not None and samples else []
@@ -105,9 +105,9 @@ def held_out_prompt_ids(store_dir: Path, data: Path, run_dir: Path, target: Path
     """Return the token ids (chat template, generation prompt) of the first n prompts of the held-out shards."""
     from transformers import AutoTokenizer
 
-    from .chatfiles import read_rows
-    from .storage import Store
-    from .drafter.folders import read_run_record
+    from ..conversations import read_rows
+    from ..storage import Store
+    from ..drafter.folders import read_run_record
 
     store = Store.open(str(store_dir))
     val = read_run_record(run_dir)["resolved"]["val_shards"]

@@ -17,8 +17,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from . import errors as errors_mod
-from .errors import DflashError
+from .. import errors as errors_mod
+from ..errors import DflashError
 
 __all__ = ["LOG_FORMAT", "setup_logging", "LossyStream", "guard_std_streams", "lost_output", "UNUSED_PACKAGES",
            "skip_unused_packages", "Ranks", "ranks_from_env", "Terminated", "install_signal_handlers",

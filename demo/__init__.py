@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .atomic import write_atomic
-from .demo_data import DATA_FILE, data_order, held_out_prompt_ids, prompt_lines, write_data, write_lines
-from .config import LEGACY_DEFAULTS
-from .errors import ConfigError
+from ..runtime.atomic import write_atomic
+from .data import DATA_FILE, data_order, held_out_prompt_ids, prompt_lines, write_data, write_lines
+from ..config import LEGACY_DEFAULTS
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .config import DemoConfig
+    from ..config import DemoConfig
 
 __all__ = ["Budget", "BUDGETS", "run", "format_table", "extract_config", "train_config", "data_numerics",
            "decode_prompts"]
@@ -157,7 +157,7 @@ def _dir_bytes(path: Path) -> int:
 
 def extract_config(budget: Budget, target: Path, data: Path, store_dir: Path, gpus: str, **over: Any) -> Any:
     """Return the ExtractConfig of the demo's extract stage (over: fields to change, as bench/fp8_price.py's codec)."""
-    from .config import ExtractConfig
+    from ..config import ExtractConfig
 
     return ExtractConfig(**{**dict(model=str(target), data=(str(data),), out=str(store_dir), gpus=gpus,
                                    shard_size=budget.shard_prompts * (1 + budget.samples), max_length=1024,
@@ -168,7 +168,7 @@ def extract_config(budget: Budget, target: Path, data: Path, store_dir: Path, gp
 def train_config(budget: Budget, store_dir: Path, target: Path, run_dir: Path, gpus: str, **over: Any) -> Any:
     """Return the TrainConfig of the demo's train stage: the budget's drafter, its held-out shards held out
     (over: fields the demo's options set: --drafter, --position-weights)."""
-    from .config import TrainConfig
+    from ..config import TrainConfig
 
     return TrainConfig(**over, store=str(store_dir), target=str(target), out=str(run_dir), gpus=gpus, epochs=1000,
                        max_steps=budget.steps, batch_tokens=budget.batch_tokens, lr=budget.lr,
@@ -183,7 +183,7 @@ def train_config(budget: Budget, store_dir: Path, target: Path, run_dir: Path, g
 
 def data_numerics(store_dir: Path) -> list[str]:
     """Return the dtypes the store's data was generated in (its header's record of `dflash generate`)."""
-    from .storage import Store
+    from ..storage import Store
 
     made = (Store.open(str(store_dir)).header.get("dataset") or {}).get("generated_by") or {}
     return sorted({str(g.get("dtype")) for g in made.values()})
@@ -195,10 +195,10 @@ def decode_prompts(path: Path, drafter_dir: Path, target_dir: Path, prompts: lis
     budgets), resuming from the JSONL at path."""
     import torch
 
-    from .chatfiles import jsonl_lines
-    from .decode.speculative import compare_one, drafter_proposer, load_target, static_decoder, summarize
-    from .decode.tree import tree_decoders
-    from .drafter.files import open_drafter
+    from ..conversations import jsonl_lines
+    from ..decode.speculative import compare_one, drafter_proposer, load_target, static_decoder, summarize
+    from ..decode.tree import tree_decoders
+    from ..drafter.files import open_drafter
 
     if numerics and numerics != ["float32"]:
         log.warning("decode: the training answers were generated in %s, decoding verifies in float32: expect "
@@ -232,7 +232,7 @@ def decode_prompts(path: Path, drafter_dir: Path, target_dir: Path, prompts: lis
 def run(cfg: "DemoConfig") -> dict[str, Any]:
     """Return the final table (also printed and written to OUT/summary.json) after running every stage left."""
     from .assets import smollm2_folder
-    from .config import GenerateConfig
+    from ..config import GenerateConfig
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     budget = BUDGETS[cfg.budget]
@@ -255,7 +255,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
 
     def prompts() -> dict[str, Any]:
         from .assets import prompts_path
-        from .generate import run as gen
+        from ..generate import run as gen
 
         written = None
         if n_self:
@@ -272,7 +272,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         return {"bundled": len(bundled), "self_written": len(own), "held_out": held_out}
 
     def generate() -> dict[str, Any]:
-        from .generate import run as gen
+        from ..generate import run as gen
 
         def answer(prompts: Path, into: Path, temperature: float):
             return gen(GenerateConfig(model=str(target), prompts=str(prompts), out=str(into), temperature=temperature,
@@ -288,14 +288,14 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         return result
 
     def extract() -> dict[str, Any]:
-        from .extract import run as ext
+        from ..extract import run as ext
 
         s = ext(extract_config(budget, target, data, store_dir, gpus))
         return {"samples": s["samples"], "tokens": s["tokens"], "bytes": _dir_bytes(store_dir)}
 
     def train() -> dict[str, Any]:
-        from .train import run as tr
-        from .train.metrics import read_metrics
+        from ..train import run as tr
+        from ..train.metrics import read_metrics
 
         tr(train_config(budget, store_dir, target, run_dir, gpus, drafter=cfg.drafter,
                         position_weights=cfg.position_weights))
@@ -303,15 +303,15 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
         return {"steps": budget.steps, "val_tau_hat": vals[-1]["tau_hat"] if vals else None}
 
     def evaluate() -> dict[str, Any]:
-        from .config import EvalConfig
-        from .train.evaluate import run_eval
+        from ..config import EvalConfig
+        from ..train.evaluate import run_eval
 
         r = run_eval(EvalConfig(drafter=str(run_dir), store=str(store_dir)))
         return {k: r[k] for k in ("tau_hat", "loss", "acc", "slot_accuracy", "accept_rate", "blocks", "tokens",
                                   "shards", "tokens_trained_on", "held_out_samples", "tree_budgets", "tree_tau")}
 
     def export() -> dict[str, Any]:
-        from .train.export import export_drafter
+        from ..train.export import export_drafter
 
         export_drafter(str(run_dir), str(drafter_dir))
         return {"path": str(drafter_dir), "bytes": _dir_bytes(drafter_dir)}
@@ -329,7 +329,7 @@ def run(cfg: "DemoConfig") -> dict[str, Any]:
             return {"skipped": why}
         from transformers import AutoTokenizer
 
-        from .decode.prompt_eval import prompt_ids
+        from ..decode.prompt_eval import prompt_ids
 
         ids = prompt_ids(str(path), AutoTokenizer.from_pretrained(str(target)), limit=budget.humaneval_prompts)
         return decode_prompts(out / DECODE_HUMANEVAL, drafter_dir, target, ids, device=cfg.device,

@@ -61,6 +61,7 @@ def main() -> None:
 
     from dflash import demo
     from dflash.demo.assets import smollm2_folder
+    from dflash.demo.data import DATA_FILE
     from dflash.config import ExtractConfig, GenerateConfig, TrainConfig
     from dflash.extract import run as extract
     from dflash.generate.answer import run as generate
@@ -78,7 +79,7 @@ def main() -> None:
     budget, target = demo.BUDGETS["full"], str(smollm2_folder())
     record = read_run_record(base / "run")
     val = record["resolved"]["val_shards"]
-    lines = (base / demo.DATA_FILE).read_text(encoding="utf-8").splitlines()
+    lines = (base / DATA_FILE).read_text(encoding="utf-8").splitlines()
     ranges = shard_ranges(len(lines), budget.shard_prompts)
     held = {r for s in val for r in range(*ranges[s])}
     train_rows = [ln for i, ln in enumerate(lines) if i not in held]

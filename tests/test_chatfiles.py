@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.conversations import formats as chatfiles
-from dflash.conversations import jsonl_lines, read_rows
+from dflash.conversations import EMPTY_TURNS, formats, jsonl_lines, read_rows
 from dflash.errors import InputError
 from dflash.generate.prompts import read_prompts
 
@@ -102,7 +101,7 @@ def test_plain_text_lines_split_on_newline_alone(tmp_path):
 
 def test_streaming_across_read_boundaries(tmp_path, monkeypatch):
     """Rows and their offsets are right when values straddle the reader's chunks (64 bytes here, not 4 MiB)."""
-    monkeypatch.setattr(chatfiles, "_READ", 64)
+    monkeypatch.setattr(formats, "READ_BYTES", 64)
     recs = [_sharegpt(CONVERSATIONS[i % 3]) | {"n": i, "f": 1.5e-3 * i} for i in range(40)]
     for path in (_json_array(tmp_path / "a.json", recs), _jsonl(tmp_path / "a.jsonl", recs)):
         rows = read_rows([str(path)])
@@ -118,7 +117,7 @@ def test_json_data_key_and_sharegpt_roles(tmp_path):
         {"from": "tool", "value": "42"}, {"from": "gpt", "value": ""}, {"from": "gpt", "value": "done"}]}]}))
     (row,) = read_rows([str(path)])
     assert [m["role"] for m in row.messages] == ["system", "user", "assistant", "tool", "assistant"]
-    assert row.notes == (chatfiles.EMPTY_TURNS,)  # the empty reply is skipped, and says so
+    assert row.notes == (EMPTY_TURNS,)  # the empty reply is skipped, and says so
 
 
 def test_text_parts_are_joined_and_other_parts_are_a_bad_row(tmp_path):
@@ -176,7 +175,7 @@ def test_any_text_after_the_array_is_refused_and_whitespace_is_not(tmp_path, tai
 
 @pytest.mark.parametrize("indent", [None, 2], ids=["one-line", "pretty"])
 def test_a_wrapper_object_is_read_whatever_the_order_of_its_keys(tmp_path, indent, monkeypatch):
-    monkeypatch.setattr(chatfiles, "_READ", 32)  # values straddle the reader's chunks
+    monkeypatch.setattr(formats, "READ_BYTES", 32)  # values straddle the reader's chunks
     rows = [_sharegpt(c) for c in CONVERSATIONS] * 4
     path = tmp_path / "w.json"
     for wrapper in ({"version": 1, "meta": {"source": "é" * 40, "n": [1, 2.5e-3]}, "data": rows, "after": None},

@@ -85,6 +85,13 @@ class TimedRunner:
                 "device_idle_share": round(1 - busy / span, 4) if span else 0.0}
 
 
+class DiscardSink:
+    """A sink (extract/pipeline.py's Sink) that drops features after the host copy: the pipeline without disk."""
+
+    def append(self, input_ids: Any, loss_mask: Any, features: Any, sample_id: int) -> None:
+        return None
+
+
 def setup(args: argparse.Namespace) -> dict[str, Any]:
     """Return the case's config, header, rows, encoder, runner and per-shard samples (the command's own steps)."""
     from dflash.conversations import read_rows
@@ -136,7 +143,7 @@ def _alloc_stats(device: torch.device) -> dict[str, int]:
 def run_variant(name: str, ctx: dict[str, Any]) -> dict[str, Any]:
     """Return the figures of one variant over every shard of the case."""
     from dflash.target.runner import pad_batch
-    from dflash.extract.pipeline import DiscardSink, FeaturePipeline
+    from dflash.extract.pipeline import FeaturePipeline
     from dflash.extract.plan import pack_batches
     from dflash.extract.timeline import Timeline
     from dflash.extract.worker import WorkerSpec, auto_writer_threads, fill_shards, prepare_shard

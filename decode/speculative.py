@@ -18,18 +18,16 @@ import torch
 
 from ..errors import InputError
 from .decoded import Decoded, cut_at_stop
-from .drafting import Proposer, block_anchors, drafter_proposer, layer_features, teacher_forced
+from .drafting import Proposer, block_anchors, layer_features, teacher_forced
 from ..drafter.model import DFlashDrafter
 
 __all__ = [
     "Decoded",
-    "drafter_proposer",  # decode/drafting.py's, which compare_on_prompts drafts with
     "load_target",
     "greedy_decode",
     "speculative_decode",
     "compare_one",
     "summarize",
-    "compare_on_prompts",
     "static_decoder",
 ]
 
@@ -266,21 +264,3 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             anchors_every=every,
         )
     return out
-
-
-def compare_on_prompts(target: Any, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *,
-                       max_new_tokens: int, stop_ids: Sequence[int] = (), parity: bool = False,
-                       on_prompt: Callable[[int, dict[str, Any]], None] | None = None,
-                       engine: str = "auto", trees: dict[int, Any] | None = None) -> dict[str, Any]:
-    """Return `summarize` of greedy speculative decoding against plain greedy decoding over the prompts (and of
-    tree decoding: trees as compare_one takes them)."""
-    propose = drafter_proposer(drafter, target)
-    decoder = static_decoder(target, drafter, prompts, max_new_tokens=max_new_tokens, engine=engine)
-    rows = []
-    for i, ids in enumerate(prompts):
-        rows.append(compare_one(target, propose, ids, block_size=drafter.config.block_size,
-                                layer_ids=drafter.config.target_layer_ids, max_new_tokens=max_new_tokens,
-                                stop_ids=stop_ids, parity=parity, decoder=decoder, trees=trees))
-        if on_prompt is not None:
-            on_prompt(i, rows[-1])
-    return summarize(rows)

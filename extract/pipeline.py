@@ -15,7 +15,7 @@ import torch
 from ..target.runner import TargetRunner, pad_batch
 from .plan import pack_batches
 
-__all__ = ["Sample", "Sink", "DiscardSink", "PipelineStats", "HostBuffers", "FeaturePipeline"]
+__all__ = ["Sample", "Sink", "PipelineStats", "HostBuffers", "FeaturePipeline"]
 
 NUM_BUFFERS = 3  # pinned host buffers a pipeline copies features into (one being filled, one written, one spare)
 
@@ -33,13 +33,6 @@ class Sample:
 
 class Sink(Protocol):
     def append(self, input_ids: Any, loss_mask: Any, features: Any, sample_id: int) -> None: ...
-
-
-class DiscardSink:
-    """A sink that drops features after the host copy (the benchmark's 'pipeline without disk')."""
-
-    def append(self, input_ids: Any, loss_mask: Any, features: Any, sample_id: int) -> None:
-        return None
 
 
 @dataclass

@@ -25,7 +25,6 @@ __all__ = [
     "shard_ranges",
     "claim_order",
     "pack_batches",
-    "padding_fraction",
     "free_space",
     "fp8_advice",
     "format_bytes",
@@ -211,13 +210,6 @@ def pack_batches(lengths: list[int], batch_tokens: int, overhead_tokens: int = B
         batches.append(order[i : cut[i]])
         i = cut[i]
     return batches
-
-
-def padding_fraction(lengths: list[int], batches: list[list[int]]) -> float:
-    """Return the share of computed token slots that are padding for these batches (0.0 for no batches)."""
-    real = sum(lengths[i] for b in batches for i in b)
-    computed = sum(len(b) * max(lengths[i] for i in b) for b in batches)
-    return 0.0 if computed == 0 else 1.0 - real / computed
 
 
 def free_space(url: str) -> tuple[str | None, int | None]:

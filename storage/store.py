@@ -296,20 +296,6 @@ class Store:
         read_features(self.fs, shard_id, record, 0, T, _bits(features), verify)
         return ShardData(small["input_ids"], small["loss_mask"], features, small["offsets"], small["sample_ids"])
 
-    def read_sample(self, shard_id: int, index: int) -> tuple[np.ndarray, np.ndarray, "torch.Tensor"]:
-        """Return (input_ids, loss_mask, features) of one sample, reading only the chunks it spans."""
-        record = self.commit_record(shard_id)
-        offsets = read_small(self.fs, shard_id, record, "offsets")
-        n = offsets.shape[0] - 1
-        if not 0 <= index < n:
-            raise StoreError(f"{self.fs.display(shard_dir(shard_id))}: sample index {index} outside 0..{n - 1}")
-        s, e = int(offsets[index]), int(offsets[index + 1])
-        ids = read_small(self.fs, shard_id, record, "input_ids")[s:e]
-        mask = read_small(self.fs, shard_id, record, "loss_mask")[s:e]
-        features = self._feature_tensor(e - s, None)
-        read_features(self.fs, shard_id, record, s, e, _bits(features))
-        return ids, mask, features
-
     def _feature_tensor(self, T: int, out: "torch.Tensor | None") -> "torch.Tensor":
         import torch
 

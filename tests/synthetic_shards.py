@@ -1,4 +1,5 @@
-"""Deterministic synthetic shards for tests and benchmarks: token ids, loss masks and LLM-like bf16 feature bits."""
+"""Deterministic synthetic shards for tests and benchmarks (token ids, loss masks and LLM-like bf16 feature bits),
+and one sample of a shard read back alone."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +8,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-__all__ = ["activation_bits", "synthetic_sample", "write_synthetic_shard"]
+__all__ = ["activation_bits", "synthetic_sample", "write_synthetic_shard", "read_sample"]
 
 
 def activation_bits(rng: np.random.Generator, t: int, num_layers: int, hidden: int) -> np.ndarray:
@@ -56,3 +57,17 @@ def write_synthetic_shard(store, shard_id: int, num_samples: int, max_len: int =
             ids, mask, bits = synthetic_sample(shard_id, i, L, H, max_len)
             writer.append(ids, mask, bits, sample_id=shard_id * 1_000_000 + i)
         return writer.commit({"synthetic": True})
+
+
+def read_sample(store, shard_id: int, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return (input_ids, loss_mask, feature bits uint16 [t, L, H]) of one sample of a committed shard, reading only
+    the feature chunks its rows span (a range that starts and ends inside chunks: the reader's partial path)."""
+    from dflash.storage.reader import read_features, read_small
+
+    record = store.commit_record(shard_id)
+    offsets = read_small(store.fs, shard_id, record, "offsets")
+    s, e = int(offsets[index]), int(offsets[index + 1])
+    bits = np.empty((e - s, len(store.header["layer_ids"]), int(store.header["hidden_size"])), np.uint16)
+    read_features(store.fs, shard_id, record, s, e, bits)
+    ids = read_small(store.fs, shard_id, record, "input_ids")[s:e]
+    return ids, read_small(store.fs, shard_id, record, "loss_mask")[s:e], bits

@@ -8,11 +8,12 @@ import torch
 from safetensors import safe_open
 from torch.nn import functional as F
 
+from test_speculative import compare_on_prompts
 from test_train_run import opts, sigkill_and_resume, store, toy_data, train  # noqa: F401 (fixtures)
 
 from dflash.errors import ConfigError, DflashError, InputError
 from dflash.drafter.conv import GroupedDynamicCausalConv
-from dflash.decode.speculative import compare_on_prompts, load_target
+from dflash.decode.speculative import load_target
 from dflash.drafter.files import check_serving_tensors, save_drafter_files, serving_tensors, write_export
 from dflash.drafter.linear_ce import candidate_logits, chunked_linear_ce, chunked_linear_ce_topk
 from dflash.drafter.config import DrafterConfig

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from dflash.errors import ConfigError, InputError
 from dflash.extract.header import resolve_layers, resolve_mask_token
-from dflash.extract.plan import (claim_order, default_shard_size, make_plan, pack_batches, padding_fraction, scan_rows,
+from dflash.extract.plan import (claim_order, default_shard_size, make_plan, pack_batches, scan_rows,
                                  shard_ranges)
 
 
@@ -41,6 +41,13 @@ def test_pack_batches_places_every_sample_once_within_budget(lengths, budget):
         assert len(b) * max(lengths[i] for i in b) <= budget
         assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
     assert pack_batches(lengths, budget) == batches  # deterministic
+
+
+def padding_fraction(lengths: list[int], batches: list[list[int]]) -> float:
+    """Return the share of computed token slots that are padding for these batches (0.0 for no batches)."""
+    real = sum(lengths[i] for b in batches for i in b)
+    computed = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    return 0.0 if computed == 0 else 1.0 - real / computed
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -11,10 +11,25 @@ from dflash.facts import build_target_layer_ids
 from dflash.drafter.config import DrafterConfig
 from dflash.drafter.model import DFlashDrafter
 from dflash.decode.drafting import block_anchors, decoding_walk, drafter_proposer, teacher_forced
-from dflash.decode.speculative import compare_on_prompts, greedy_decode, load_target, speculative_decode, summarize
+from dflash.decode.speculative import compare_one, greedy_decode, load_target, speculative_decode, static_decoder, summarize
 from dflash.drafter.files import open_drafter
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8, 250, 11, 60], [33]]
+
+
+def compare_on_prompts(target, drafter, prompts, *, max_new_tokens: int, parity: bool = False, on_prompt=None) -> dict:
+    """Return `summarize` of greedy speculative decoding against plain greedy decoding over the prompts: the demo's
+    and `dflash decode`'s loop over compare_one, without the file they append each row to."""
+    propose = drafter_proposer(drafter, target)
+    decoder = static_decoder(target, drafter, prompts, max_new_tokens=max_new_tokens)
+    rows = []
+    for i, ids in enumerate(prompts):
+        rows.append(compare_one(target, propose, ids, block_size=drafter.config.block_size,
+                                layer_ids=drafter.config.target_layer_ids, max_new_tokens=max_new_tokens,
+                                parity=parity, decoder=decoder))
+        if on_prompt is not None:
+            on_prompt(i, rows[-1])
+    return summarize(rows)
 
 
 @pytest.fixture(scope="module")

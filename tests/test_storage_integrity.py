@@ -11,7 +11,7 @@ import pytest
 from dflash.cli import main
 from dflash.errors import CorruptShard
 from dflash.storage import Store
-from dflash.tests.synthetic_shards import write_synthetic_shard
+from dflash.tests.synthetic_shards import read_sample, write_synthetic_shard
 
 HEADER = {"layer_ids": [1, 4], "hidden_size": 48, "codec": "blosc", "shard_plan": {"num_shards": 3}, "tag": "t"}
 
@@ -186,7 +186,7 @@ def test_corrupt_data_never_reads_as_zeros(tmp_path):
     with pytest.raises(CorruptShard, match="missing"):
         store.read_shard(1)
     with pytest.raises(CorruptShard):
-        store.read_sample(1, 0)
+        read_sample(store, 1, 0)
 
 
 def test_inspect_reads_no_chunk_says_so_and_an_unreadable_record_is_not_complete(tmp_path, capsys):

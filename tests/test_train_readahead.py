@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +14,13 @@ from dflash.storage import Store
 from dflash.train.metrics import read_metrics
 from dflash.train.plan import LoaderState, plan_round, split_shards
 from test_train_run import losses, opts, store, toy_data  # noqa: F401  (fixtures)
+
+
+def wait_begun(prefetch: Any, rnd: int, timeout: float) -> bool:
+    """Wait until the prefetcher has begun a read of round `rnd`; return whether it has."""
+    with prefetch.cond:
+        prefetch.cond.wait_for(lambda: prefetch.stop or any(r == rnd for r, _ in prefetch.started), timeout)
+        return any(r == rnd for r, _ in prefetch.started)
 
 
 def run_trainer(kw: dict) -> "object":
@@ -60,7 +68,7 @@ def test_the_next_epochs_first_shard_is_read_before_this_epochs_last_batch_is_yi
             items = [s.get()[0] for _ in range(plan.steps - 1)]
             if e + 1 < epochs:
                 # The last batch is still unconsumed: the next epoch's first shard read has begun already.
-                assert s.prefetch.wait_begun(s.rnd + 1, timeout=60), "the next epoch's shards were not read ahead"
+                assert wait_begun(s.prefetch, s.rnd + 1, timeout=60), "the next epoch's shards were not read ahead"
                 assert s.prefetch.started.index((s.rnd + 1, plans[e + 1].batches[0][0][0][0])) > 0
             items.append(s.get()[0])
             assert s.get()[0] is None

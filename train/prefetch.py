@@ -171,12 +171,6 @@ class ShardPrefetcher:
         with self.cond:
             return sum(1 for r, _ in self.started if r == rnd)
 
-    def wait_begun(self, rnd: int, timeout: float | None = None) -> bool:
-        """Wait until a read of round `rnd` has begun; return whether one has."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.stop or any(r == rnd for r, _ in self.started), timeout)
-            return any(r == rnd for r, _ in self.started)
-
     def close(self) -> None:
         """Stop reading and wait for the thread to end (at most one shard read away)."""
         with self.cond:

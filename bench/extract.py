@@ -234,7 +234,7 @@ def settle() -> bool:
 
 
 # What `dflash extract` imports, as it imports it: the command line (which marks scikit-learn absent, so transformers
-# does not import it: runtime.skip_unused_packages), the extract modules, transformers' config,
+# does not import it: runtime.process.skip_unused_packages), the extract modules, transformers' config,
 # tokenizer and modeling code (the load's thread), the store's compressor, and flash-attn where installed (the
 # CUDA load picks it).
 IMPORT_SET = ("import dflash.cli\n"
@@ -254,7 +254,7 @@ UNSKIPPED_SET = IMPORT_SET.replace("skip_unused_packages()", "pass")
 def import_breakdown(top: int = 15, skip: bool = True) -> dict:
     """Return the command's import set timed in a fresh interpreter (-X importtime): the total, the wall of the
     interpreter, and the `top` modules by cumulative time (a module's time includes what it imports). Without
-    skip, scikit-learn is not marked absent (what the command imported before runtime.skip_unused_packages)."""
+    skip, scikit-learn is not marked absent (what the command imported before runtime.process.skip_unused_packages)."""
     code = IMPORT_SET if skip else UNSKIPPED_SET
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True)

@@ -1,7 +1,7 @@
 """`dflash generate` by engine: new tokens/s of the plain (transformers' generate) and fast paths, same prompts.
 
 Each engine runs as a user runs it, one `dflash generate` subprocess each, over the same N prompts (the bundled
-data/prompts.jsonl repeated to N, or N self-written prompts made first with `dflash generate --self-prompts`).
+demo/prompts.jsonl repeated to N, or N self-written prompts made first with `dflash generate --self-prompts`).
 Prints each engine's new tokens/s (the stage's own count: generated tokens over the time spent generating, model
 loading and CUDA-graph capture excluded, and the wall time including them), the ratio fast / plain, and whether
 the greedy answers are identical (count, and the first difference).

@@ -3,7 +3,7 @@
 Starts `transformers serve` on the target folder (the embedded SmolLM2 by default) on a loopback port, in the same
 dtype as the in-process run, waits for it to answer, then runs `dflash generate --server` (each request a
 /v1/chat/completions call, --concurrency in flight) and `dflash generate --model` (the fast engine, --batch-size slots)
-over the same N prompts (the bundled data/prompts.jsonl repeated to N), each one `dflash generate` subprocess as a
+over the same N prompts (the bundled demo/prompts.jsonl repeated to N), each one `dflash generate` subprocess as a
 user runs it. Prints each path's new tokens/s (the stage's own count: generated tokens over the time spent
 generating; model loading and the server's start-up excluded) and wall time, the ratio server / in-process, and how
 many greedy answers are identical.

@@ -19,7 +19,7 @@ class Budget:
     gen_tokens: int  # answer length cap of `generate`
     gen_batch: int
     shard_prompts: int  # prompts per shard; the held-out split is by shard, so by prompt
-    held_out_shards: int  # the first shards, filled with bundled prompts spread over the file (demo_data.py)
+    held_out_shards: int  # the first shards, filled with bundled prompts spread over the file (data.py)
     draft_layers: int
     block_size: int
     steps: int

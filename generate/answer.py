@@ -94,7 +94,7 @@ def read_done(out: Path, prompts: list[Prompt]) -> set[int]:
 
 
 class _Progress:
-    """Prompts answered and tokens/s, shown with rate and ETA (see runtime.Progress)."""
+    """Prompts answered and tokens/s, shown with rate and ETA (see runtime.process.Progress)."""
 
     def __init__(self, total: int) -> None:
         self.tokens = 0

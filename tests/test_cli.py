@@ -233,7 +233,7 @@ def test_unused_packages_kept_when_asked_or_already_imported(tmp_path, monkeypat
 
 def test_every_command_skips_unused_packages(monkeypatch):
     # The group's callback runs before any command imports transformers (and spawned workers do the same in
-    # runtime._child).
+    # runtime.process._child).
     monkeypatch.delitem(sys.modules, "sklearn", raising=False)
     monkeypatch.delenv("DFLASH_KEEP_PACKAGES", raising=False)
     result = CliRunner().invoke(cli, ["extract", "--help"])

@@ -10,6 +10,7 @@ import torch
 
 from ..drafter.model import DFlashDrafter, draft_logits, draft_tokens
 from ..errors import InputError
+from .decoded import Decoded
 
 __all__ = ["Proposer", "layer_features", "drafter_proposer", "block_anchors", "decoding_walk", "TeacherForced",
            "teacher_forced"]

@@ -70,7 +70,7 @@ def run_prompt_eval(cfg: "EvalConfig", folder: Path, record: dict[str, Any] | No
 
     from .drafting import drafter_proposer
     from .speculative import compare_one, load_target, static_decoder, summarize
-    from .tree import tree_decoders
+    from .static_tree import tree_decoders
     from ..runtime.process import Progress
     from ..drafter.files import load_drafter
 

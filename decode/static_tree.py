@@ -23,6 +23,7 @@ code runs eagerly. The output is the target's greedy decoding and the accepted l
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Sequence
 
 import torch
@@ -30,10 +31,12 @@ import torch
 from ..drafter.model import DFlashDrafter
 from ..drafter.tree import ancestor_mask, device_tree, level_pairs
 from .decoded import Decoded
-from .static import StaticLoop
-from .tree import check_tree, check_greedy
+from .static import StaticLoop, static_unsupported
+from .tree import TreeDecoder, check_greedy, check_tree
 
-__all__ = ["StaticTreeDecoder"]
+__all__ = ["StaticTreeDecoder", "tree_decoders"]
+
+log = logging.getLogger(__name__)
 
 
 class StaticTreeDecoder(StaticLoop):
@@ -89,3 +92,18 @@ class StaticTreeDecoder(StaticLoop):
         """Return Decoded of greedy DDTree decoding of one prompt (temperature > 0 is refused: greedy only)."""
         check_greedy(temperature)
         return self._blocks("tree", self.budget + 1, prompt_ids, max_new_tokens, stop_ids)
+
+
+def tree_decoders(target: Any, drafter: DFlashDrafter, budgets: Sequence[int], prompts: Sequence[Sequence[int]], *,
+                  max_new_tokens: int) -> dict[int, Any]:
+    """Return {budget: tree decoder} sized for these prompts (none for no budgets or no prompts): on CUDA the
+    StaticTreeDecoder (CUDA graphs, one host sync per tree) when the static machinery runs
+    this target and drafter, else the eager TreeDecoder (on a CPU, where graphs save nothing, too; logged)."""
+    if not prompts:
+        return {}
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    why = "not on CUDA" if target.lm_head.weight.device.type != "cuda" else static_unsupported(target, drafter)
+    if why is not None and budgets:
+        log.info("tree decoding: eager TreeDecoder (%s)", why)
+    kind = TreeDecoder if why is not None else StaticTreeDecoder
+    return {int(n): kind(target, drafter, budget=int(n), max_len=longest) for n in budgets}

@@ -18,7 +18,6 @@ are greedy-only here: the sampled walk of the paper is not implemented, so tempe
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Sequence
 
 import torch
@@ -30,9 +29,7 @@ from ..target.static_kv import StaticTarget, fast_unsupported
 from .decoded import Decoded, cut_at_stop
 from .drafting import drafter_proposer
 
-__all__ = ["tree_unsupported", "check_tree", "check_greedy", "TreeDecoder", "tree_decoders"]
-
-log = logging.getLogger(__name__)
+__all__ = ["tree_unsupported", "check_tree", "check_greedy", "TreeDecoder"]
 
 
 def tree_unsupported(config: Any) -> str | None:
@@ -134,20 +131,3 @@ class TreeDecoder:
             context = torch.cat([context, feats[[0] + [1 + c for c in path]]])
         return Decoded(tokens=tokens, forwards=forwards, accepted=accepted)
 
-
-def tree_decoders(target: Any, drafter: DFlashDrafter, budgets: Sequence[int], prompts: Sequence[Sequence[int]], *,
-                  max_new_tokens: int) -> dict[int, Any]:
-    """Return {budget: tree decoder} sized for these prompts (none for no budgets or no prompts): on CUDA the
-    StaticTreeDecoder (decode/static_tree.py: CUDA graphs, one host sync per tree) when the static machinery runs
-    this target and drafter, else the eager TreeDecoder (on a CPU, where graphs save nothing, too; logged)."""
-    from .static import static_unsupported
-    from .static_tree import StaticTreeDecoder
-
-    if not prompts:
-        return {}
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    why = "not on CUDA" if target.lm_head.weight.device.type != "cuda" else static_unsupported(target, drafter)
-    if why is not None and budgets:
-        log.info("tree decoding: eager TreeDecoder (%s)", why)
-    kind = TreeDecoder if why is not None else StaticTreeDecoder
-    return {int(n): kind(target, drafter, budget=int(n), max_len=longest) for n in budgets}

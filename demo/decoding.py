@@ -28,7 +28,7 @@ def decode_prompts(path: Path, drafter_dir: Path, target_dir: Path, prompts: lis
     from ..conversations import jsonl_lines
     from ..decode.drafting import drafter_proposer
     from ..decode.speculative import compare_one, load_target, static_decoder, summarize
-    from ..decode.tree import tree_decoders
+    from ..decode.static_tree import tree_decoders
     from ..drafter.files import open_drafter
 
     if numerics and numerics != ["float32"]:

@@ -11,8 +11,8 @@ import torch
 
 from dflash.decode.drafting import drafter_proposer
 from dflash.decode.speculative import greedy_decode, load_target
-from dflash.decode.static_tree import StaticTreeDecoder
-from dflash.decode.tree import TreeDecoder, tree_decoders, tree_unsupported
+from dflash.decode.static_tree import StaticTreeDecoder, tree_decoders
+from dflash.decode.tree import TreeDecoder, tree_unsupported
 from dflash.drafter.tree import ancestor_mask, build_tree, device_tree, level_pairs
 from dflash.errors import InputError
 from dflash.facts import build_target_layer_ids

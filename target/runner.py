@@ -149,7 +149,10 @@ def _log_linear_attention_path(model_type: str, device: torch.device) -> None:
     transformers' torch fallback."""
     fla = linear_attention_path()
     if fla is not None:
-        log.info("%s: Gated DeltaNet layers run flash-linear-attention %s's kernels", model_type, fla)
+        log.info("%s: Gated DeltaNet layers run flash-linear-attention %s's kernels%s", model_type, fla,
+                 "; on a machine that has not run them yet they compile and autotune on the first batches (80 s on "
+                 "one H200 for a Qwen3.6-27B shape, once: later runs find them in Triton's cache)"
+                 if device.type == "cuda" else "")
     elif device.type == "cuda":
         log.warning("%s: Gated DeltaNet layers run transformers' torch fallback (flash-linear-attention is not "
                     "installed; its kernels ran a Qwen3.6-27B-shaped forward 1.45x faster on one H200): "

@@ -44,6 +44,31 @@ def tiny_llama(tmp_path_factory):
     return build_tiny_target(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
 
+@pytest.fixture(scope="session")
+def toy_data(tmp_path_factory):
+    """Conversations whose answers a tiny drafter can learn (test_train_run.write_toy_data)."""
+    from test_train_run import write_toy_data
+
+    return write_toy_data(tmp_path_factory.mktemp("train-data") / "toy.jsonl")
+
+
+@pytest.fixture(scope="session")
+def store(tiny_qwen3, toy_data, tmp_path_factory) -> str:
+    """A complete store of 6 shards made by `dflash extract` on the tiny target, once per session: here, not in
+    test_train_run, since a session fixture imported into another test module is built again for that module."""
+    from test_train_run import SHARD_ROWS
+
+    from dflash.config import ExtractConfig
+    from dflash.extract import run
+    from dflash.storage import Store
+
+    out = tmp_path_factory.mktemp("train-store") / "store"
+    run(ExtractConfig(model=str(tiny_qwen3), data=(str(toy_data),), out=str(out), gpus="cpu", shard_size=SHARD_ROWS,
+                      batch_tokens=1024, max_length=256, min_loss_tokens=4, dtype="float32"))
+    assert Store.open(str(out)).is_complete()
+    return str(out)
+
+
 _CONVERT = "from dflash.demo.assets import smollm2_folder; print(smollm2_folder())"
 
 

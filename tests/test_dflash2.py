@@ -9,7 +9,7 @@ from safetensors import safe_open
 from torch.nn import functional as F
 
 from test_speculative import compare_on_prompts
-from test_train_run import opts, sigkill_and_resume, store, toy_data, train  # noqa: F401 (fixtures)
+from test_train_run import opts, sigkill_and_resume, train
 
 from dflash.errors import ConfigError, DflashError, InputError
 from dflash.drafter.conv import GroupedDynamicCausalConv

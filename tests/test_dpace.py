@@ -18,7 +18,7 @@ from dflash.train.run_folder import check_resume
 from dflash.train.objective import dpace_weights, loss_denominator, predict
 from dflash.train.packing import pack_batch
 from test_drafter import _drafter, _sequences
-from test_train_run import opts, store, toy_data, train  # noqa: F401  (fixtures)
+from test_train_run import opts, train
 
 
 def test_dpace_weights_by_hand() -> None:

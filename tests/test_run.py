@@ -18,7 +18,7 @@ from dflash.config import RUN_SHARED, ExtractConfig, RunConfig, TrainConfig, run
 from dflash.run import grow_gpus
 from dflash.storage import Store
 from test_extract_run import store_samples
-from test_train_run import losses, toy_data  # noqa: F401  (fixture)
+from test_train_run import losses
 
 EXTRACT = dict(gpus="cpu", shard_size=8, batch_tokens=1024, max_length=256, min_loss_tokens=4, dtype="float32")
 # 3 shards, 3 slots: follow mode's one round holds every shard, so its batches are a plain run's.

@@ -13,7 +13,7 @@ from dflash.storage import Store
 from dflash.train.plan import split_shards
 from dflash.train.metrics import read_metrics
 from test_extract_crash import _commits
-from test_train_run import EXTRACT_ARGS, cli, flags, opts, toy_data  # noqa: F401  (toy_data is a fixture)
+from test_train_run import EXTRACT_ARGS, cli, flags, opts
 
 # Shards of 2 rows: 12 shards of the toy data, enough for both writers and several rounds of the trainer.
 ARGS = [("2" if prev == "--shard-size" else a) for prev, a in zip([None, *EXTRACT_ARGS], EXTRACT_ARGS)]

@@ -6,7 +6,7 @@ import torch
 from dflash.drafter.folders import find_checkpoint
 from dflash.train.checkpoint import Checkpointer, read_trainer_state
 from dflash.train.metrics import read_metrics
-from test_train_run import opts, store, toy_data, train  # noqa: F401  (fixtures)
+from test_train_run import opts, train
 
 
 class _Part:

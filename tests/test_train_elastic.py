@@ -17,7 +17,7 @@ from dflash.config import TrainConfig
 from dflash.errors import ConfigError
 from dflash.drafter.folders import read_run_record
 from dflash.train.run_folder import resume_grad_accum, write_run_record
-from test_train_run import flags, losses, opts, store, toy_data, train  # noqa: F401  (fixtures)
+from test_train_run import flags, losses, opts, train
 
 KW = dict(epochs=3, batch_tokens=256, save_every=2, keep=5)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train_run import cli, dflash_main, flags, losses, opts, store, toy_data, train  # noqa: F401 (fixtures)
+from test_train_run import cli, dflash_main, flags, losses, opts, train
 
 from dflash.drafter.folders import CHECKSUMS
 from dflash.train.checkpoint import TRAINER_STATE, Checkpointer

@@ -13,7 +13,7 @@ from dflash.config import TrainConfig
 from dflash.storage import Store
 from dflash.train.metrics import read_metrics
 from dflash.train.plan import LoaderState, plan_round, split_shards
-from test_train_run import losses, opts, store, toy_data  # noqa: F401  (fixtures)
+from test_train_run import losses, opts
 
 
 def wait_begun(prefetch: Any, rnd: int, timeout: float) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.config import ExtractConfig, TrainConfig
+from dflash.config import TrainConfig
 from dflash.errors import ConfigError, CorruptShard, DflashError, ManifestMismatch
 from dflash.storage import Store
 from dflash.train.plan import split_shards
@@ -36,23 +36,6 @@ def write_toy_data(path: Path) -> Path:
             f.write(json.dumps({"messages": [{"role": "user", "content": prompt},
                                              {"role": "assistant", "content": answer}]}) + "\n")
     return path
-
-
-@pytest.fixture(scope="session")
-def toy_data(tmp_path_factory) -> Path:
-    return write_toy_data(tmp_path_factory.mktemp("train-data") / "toy.jsonl")
-
-
-@pytest.fixture(scope="session")
-def store(tiny_qwen3, toy_data, tmp_path_factory) -> str:
-    """A complete store of 6 shards made by `dflash extract` on the tiny target (once per session)."""
-    from dflash.extract import run
-
-    out = tmp_path_factory.mktemp("train-store") / "store"
-    run(ExtractConfig(model=str(tiny_qwen3), data=(str(toy_data),), out=str(out), gpus="cpu", shard_size=SHARD_ROWS,
-                      batch_tokens=1024, max_length=256, min_loss_tokens=4, dtype="float32"))
-    assert Store.open(str(out)).is_complete()
-    return str(out)
 
 
 def opts(store: str, target: Path, out: Path, **over) -> dict:

@@ -10,7 +10,7 @@ from dflash.train.dist import Dist
 from dflash.train.learner import Learner, StepOptions
 from dflash.train.packing import max_blocks_for, pack_batch
 from dflash.drafter.config import for_store
-from test_train_run import opts, store, toy_data  # noqa: F401  (fixtures)
+from test_train_run import opts
 
 
 def _micro(store_url: str, cfg: TrainConfig, dcfg, step: int) -> list:

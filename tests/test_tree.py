@@ -16,7 +16,7 @@ from dflash.train.objective import predict
 from dflash.train.packing import pack_batch
 from dflash.train.tree_loss import tree_terms
 from test_drafter import _drafter, _sequences
-from test_train_run import sigkill_and_resume, store, toy_data  # noqa: F401  (fixtures)
+from test_train_run import sigkill_and_resume
 
 
 def _paths(tree) -> list[tuple[int, ...]]:

@@ -6,7 +6,8 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 xxhash==4.1.0 gguf==0.19.0
 # (gguf: the demo converts the embedded GGUF with it), and for bench/targets.py's hybrid target the same way:
-#   flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2 (transformers runs Gated DeltaNet on its kernels)
+#   flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2 (transformers runs Gated DeltaNet on its kernels),
+# and pytest-xdist==3.8.0 execnet==2.1.2 for `pytest -m gpu` there (pyproject's addopts pass -n 2)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
 mkdir -p /tmp/pkgs && ln -sfn "$PWD" /tmp/pkgs/dflash
 export PYTHONPATH=/tmp/site:/tmp/pkgs${PYTHONPATH:+:$PYTHONPATH}

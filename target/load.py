@@ -11,14 +11,36 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ConfigError, InputError
+from .weights import check_weights
 
 __all__ = ["load_target", "check_weights", "check_finite", "load_for_features", "Loaded", "load_for_chat",
-           "WeightPrefetch", "weight_files"]
+           "WeightPrefetch", "weight_files", "hub_kernels_requested", "runtime_record"]
 
 log = logging.getLogger(__name__)
 
 # Files a Hugging Face folder keeps its weights in (safetensors, or the older pickles).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def hub_kernels_requested() -> bool:
+    """Return True if the user asked for kernels from the Hugging Face Hub (USE_HUB_KERNELS=YES, transformers'
+    own switch, set explicitly): transformers >= 5.25 otherwise swaps them into `from_pretrained`'s model by
+    default, downloading code that can change a target's numerics under a store; dflash leaves them out."""
+    return os.environ.get("USE_HUB_KERNELS", "").strip().upper() in ("1", "YES", "TRUE", "ON")
+
+
+def runtime_record() -> dict[str, Any]:
+    """Return what ran a target: the versions of torch and transformers, and whether Hub kernels were allowed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, Any] = {}
+    for name in ("torch", "transformers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    out["hub_kernels"] = hub_kernels_requested()
+    return out
 
 
 def load_target(path: str | os.PathLike, *, device: Any = "cpu", dtype: Any = "float32",
@@ -39,6 +61,9 @@ def load_target(path: str | os.PathLike, *, device: Any = "cpu", dtype: Any = "f
     kwargs: dict[str, Any] = {"dtype": dtype if dtype == "auto" or not isinstance(dtype, str) else getattr(torch, dtype)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    # No kernels fetched from the Hub unless asked for (hub_kernels_requested); transformers before 5.25 fetched
+    # none by default either.
+    kwargs["use_kernels"] = hub_kernels_requested()
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
     try:
@@ -55,108 +80,6 @@ def load_target(path: str | os.PathLike, *, device: Any = "cpu", dtype: Any = "f
     model = model.to(device).eval()
     check_finite(model.named_parameters(), path, option)
     return model
-
-
-_SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-                      "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-def _headers(file: Path) -> dict[str, Any] | None:
-    """Return {tensor name: {dtype, shape, data_offsets}} of a safetensors file's header (None if it has none)."""
-    import json
-    import struct
-
-    try:
-        with open(file, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            if not 0 < n <= os.fstat(f.fileno()).st_size - 8:
-                return None
-            header = json.loads(f.read(n))
-        return {k: v for k, v in header.items() if k != "__metadata__"}
-    except (OSError, ValueError, struct.error):
-        return None  # not whole: the load (or the store's fingerprint) names that in its own words
-
-
-def check_weights(path: str | os.PathLike, *, option: str = "--model") -> None:
-    """Raise InputError unless the folder's safetensors weights are every tensor its causal LM expects, each of the
-    shape it expects, with bytes that match each header's dtype and shape: the headers alone are read (no tensor
-    data), and the model is built on the meta device and "loaded" from them by transformers' own key mapping.
-
-    transformers itself would initialise a missing tensor at random and go on (features from a model that is not
-    the target, in silence), and stop on a shape mismatch with a traceback. Tensors the model does not use (a
-    vision tower, multi-token-prediction heads) are left alone, as its load leaves them. Folders of other weight
-    formats are left to the load.
-    """
-    import math
-
-    import torch
-
-    folder = Path(path)
-    files = [f for f in weight_files(folder) if f.suffix == ".safetensors"]
-    fix = "re-download or re-save the model's weights"
-    meta: dict[str, Any] = {}
-    where: dict[str, str] = {}
-    for f in files:
-        header = _headers(f)
-        if header is None:
-            return
-        for name, t in header.items():
-            try:
-                size = _SAFETENSORS_BYTES[t["dtype"]]
-                begin, end = t["data_offsets"]
-                shape = [int(d) for d in t["shape"]]
-            except (KeyError, TypeError, ValueError):
-                continue  # a dtype of its own: the load decides
-            if end - begin != math.prod(shape) * size:
-                raise InputError(f"{option} {path}: tensor {name} in {f.name}: its header says {t['dtype']} {shape} "
-                                 f"({math.prod(shape) * size:,} bytes), the file holds {end - begin:,} bytes for it; "
-                                 f"{fix}")
-            meta[name] = torch.empty(shape, dtype=torch.float32, device="meta")
-            where[name] = f.name
-    if not meta:
-        return
-    info = _meta_load(folder, meta)
-    if info is None:
-        return
-    if info.get("mismatched_keys"):
-        name, found, want = sorted(info["mismatched_keys"], key=str)[0]
-        more = len(info["mismatched_keys"]) - 1
-        raise InputError(
-            f"{option} {path}: expected tensor {name} of shape {list(want)}, found {list(found)} in "
-            f"{where.get(name, ', '.join(f.name for f in files))}{f' (and {more} more mismatched)' if more else ''}; "
-            f"{fix}")
-    if info.get("missing_keys"):
-        missing = sorted(info["missing_keys"])
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise InputError(f"{option} {path}: expected tensor {missing[0]}{more}, found it in none of "
-                         f"{', '.join(f.name for f in files)} (the model would start it at random); {fix}")
-
-
-def _meta_load(folder: Path, state_dict: dict[str, Any]) -> dict[str, Any] | None:
-    """Return transformers' loading info (missing, mismatched keys) of the folder's causal LM built on the meta
-    device and loaded from `state_dict` (meta tensors); None where transformers cannot build it this way (the real
-    load then reports in its own words)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()  # its load report is ours to word, in one line
-    hf_logging.disable_progress_bar()
-    try:
-        from transformers.models.auto.auto_factory import _get_model_class
-
-        config = AutoConfig.from_pretrained(os.fspath(folder))
-        cls = _get_model_class(config, AutoModelForCausalLM._model_mapping)
-        _, info = cls.from_pretrained(None, config=config, state_dict=state_dict, device_map="meta",
-                                      output_loading_info=True, ignore_mismatched_sizes=True)
-        return info
-    except Exception as e:  # noqa: BLE001 - another transformers, a config it cannot build: the load decides
-        log.debug("no weight check for %s: %s", folder, e)
-        return None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def check_finite(named: Any, path: str | os.PathLike, option: str = "--model") -> None:

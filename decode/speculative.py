@@ -101,11 +101,12 @@ def speculative_decode(target: Any, propose: Proposer, prompt_ids: Sequence[int]
         raise InputError("speculative decoding needs a prompt of at least one token, got none")
     device = target.device
     stops = set(int(s) for s in stop_ids)
-    cache = decoding_cache(target)
+    cache = decoding_cache(target, block_size)
     rollback = Rollback(cache)
     prompt = torch.tensor([list(prompt_ids)], device=device)
     kv = _with_cache(target, cache)
     out = target(input_ids=prompt, **kv, use_cache=True, logits_to_keep=1, output_hidden_states=True)
+    rollback.cut(prompt.shape[1], prompt.shape[1])  # drops what the layers recorded of the prompt
     context = layer_features(out.hidden_states, layer_ids)  # features of positions 0..S-1
     tokens = [int(_choose(out.logits[0, -1:], temperature, generator)[0])]
     accepted: list[int] = []
@@ -127,7 +128,8 @@ def speculative_decode(target: Any, propose: Proposer, prompt_ids: Sequence[int]
         accepted.append(len(kept) - len(tokens))
         tokens = kept
         # Keep the cache and the context for the anchor and the accepted drafts; the rejected tail is forgotten. A
-        # recurrent layer cannot forget: its state goes back to before the block and the kept tokens run again.
+        # recurrent layer crops to its state after the last kept token where transformers records one (5.25), else
+        # its state goes back to before the block and the kept tokens run again.
         if rollback.cut(block.shape[1], n_ok + 1):
             out = target(input_ids=block[:, : n_ok + 1], **kv, use_cache=True, output_hidden_states=True)
             forwards += 1

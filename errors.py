@@ -10,6 +10,7 @@ __all__ = [
     "CorruptShard",
     "AssetError",
     "ServerError",
+    "ResourceError",
 ]
 
 
@@ -48,3 +49,7 @@ class AssetError(DflashError):
 
 class ServerError(DflashError):
     """A serving endpoint (`dflash generate --server`) that cannot be reached or refuses what is asked."""
+
+
+class ResourceError(DflashError):
+    """Work that does not fit the machine (a row too long for the device's memory), with the options that help."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -12,12 +13,16 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
+from ..errors import ResourceError
 from ..target.runner import TargetRunner, pad_batch
 from .plan import pack_batches
 
-__all__ = ["Sample", "Sink", "PipelineStats", "HostBuffers", "FeaturePipeline"]
+__all__ = ["Sample", "Sink", "PipelineStats", "HostBuffers", "FeaturePipeline", "is_out_of_memory"]
 
 NUM_BUFFERS = 3  # pinned host buffers a pipeline copies features into (one being filled, one written, one spare)
+# A test hook: a forward of more padded tokens than this raises torch.OutOfMemoryError, as a device that holds only
+# that many would (the CPU tests' stand-in for a GPU that runs out; never set in use).
+FAKE_OOM_ENV = "DFLASH_TEST_OOM_TOKENS"
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +95,26 @@ class _Thread:
     def wait(self) -> None:
         """Return once the thread's function has returned (or raised)."""
         self._done.wait()
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Return True if `e` is a device or host allocation that failed (CUDA's OutOfMemoryError, CPU's allocator)."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+
+
+def _free_memory(device: torch.device) -> str:
+    """Return the device's free memory in words, for a message."""
+    try:
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            return f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB on {device}"
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if ":" in line}
+        return f"{info['MemAvailable'] / 2**30:.1f} GiB of host memory available"
+    except (OSError, KeyError, ValueError, RuntimeError):
+        return "free memory unknown"
 
 
 class HostBuffers:
@@ -180,6 +205,12 @@ class FeaturePipeline:
         self._work: queue.Queue[_Work | None] = queue.Queue()
         self._failure: list[BaseException] = []
         self._thread: _Thread | None = None
+        # Out of memory: the padded tokens a forward may take from now on (halved at each failure), and the test
+        # hook's stand-in for the device's size.
+        self._fits: int | None = None
+        self._oom_logged = False
+        fake = os.environ.get(FAKE_OOM_ENV)
+        self._fake_oom = int(fake) if fake else None
         # Callbacks (commits) run on their own thread, one at a time: on the writer's, a commit (the shard's last
         # chunks, its fsyncs) held back the next shard's batches until every host buffer was full and the device
         # stopped, at every shard boundary.
@@ -221,33 +252,74 @@ class FeaturePipeline:
             lengths = [len(s.input_ids) for s in samples]
             batches = pack_batches(lengths, self.batch_tokens) if samples else []
         for idx in batches:
-            with self._stage("pack", shard):
-                batch = [samples[i] for i in idx]
-                ids, lens = self._pad(batch)
-            stats.padded_tokens += ids.numel()
-            with self._stage("forward", shard):
-                start = self._event()
-                feats = self.runner.features(ids.to(self.device, non_blocking=True), lens)
-                end = self._event()
-            w0 = time.perf_counter()
-            slot = self._free.get()
-            waited = time.perf_counter() - w0
-            stats.wait_s += waited
-            if self.timeline is not None:
-                self.timeline.add("wait_buffer", waited, shard)
+            for batch, ids, lens, feats, start, end in self._forwards([samples[i] for i in idx], shard):
+                stats.padded_tokens += ids.numel()
+                w0 = time.perf_counter()
+                slot = self._free.get()
+                waited = time.perf_counter() - w0
+                stats.wait_s += waited
+                if self.timeline is not None:
+                    self.timeline.add("wait_buffer", waited, shard)
+                if self._failure:
+                    self._free.put(slot)
+                    break
+                with self._stage("forward", shard):  # issuing the copy (asynchronous on CUDA)
+                    work = self._to_host(batch, feats, slot, sink, shard)
+                    work.forward = (start, end) if start is not None else None
+                    self._work.put(work)
+                stats.batches += 1
+                stats.samples += len(batch)
+                stats.tokens += sum(lens)
             if self._failure:
-                self._free.put(slot)
                 break
-            with self._stage("forward", shard):  # issuing the copy (asynchronous on CUDA)
-                work = self._to_host(batch, feats, slot, sink, shard)
-                work.forward = (start, end) if start is not None else None
-                self._work.put(work)
-            stats.batches += 1
-            stats.samples += len(batch)
-            stats.tokens += sum(lens)
         self._raise_failure()
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _forwards(self, batch: list[Sample], shard: int | None) -> Any:
+        """Yield (samples, ids, lengths, features, start, end) for a batch: one forward, or, where the device runs
+        out of memory, forwards of halves of it (down to one row each); a row that does not fit alone is a
+        ResourceError. Nothing of a forward that failed reached a sink, so nothing is written twice."""
+        pending = [batch]
+        while pending:
+            part = pending.pop(0)
+            with self._stage("pack", shard):
+                ids, lens = self._pad(part)
+            if len(part) > 1 and self._fits is not None and ids.numel() > self._fits:
+                pending[:0] = [part[: len(part) // 2], part[len(part) // 2:]]
+                continue
+            try:
+                with self._stage("forward", shard):
+                    start = self._event()
+                    if self._fake_oom is not None and ids.numel() > self._fake_oom:
+                        raise torch.OutOfMemoryError(f"test hook: {ids.numel()} tokens > {FAKE_OOM_ENV}")
+                    feats = self.runner.features(ids.to(self.device, non_blocking=True), lens)
+                    end = self._event()
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                self._out_of_memory(part, ids, e)
+                pending[:0] = [part[: len(part) // 2], part[len(part) // 2:]]
+                continue
+            yield part, ids, lens, feats, start, end
+
+    def _out_of_memory(self, part: list[Sample], ids: torch.Tensor, error: BaseException) -> None:
+        """Note a forward that ran out of memory: smaller forwards from now on, or a ResourceError for one row."""
+        if self.cuda:
+            torch.cuda.empty_cache()
+        if len(part) == 1:
+            raise ResourceError(
+                f"row {part[0].row} of --data ({len(part[0].input_ids):,} tokens) does not fit in memory for the "
+                f"target's forward on its own ({_free_memory(self.device)}; {type(error).__name__}); rerun with a "
+                f"smaller --max-length (longer rows are cut) and --batch-tokens, or on more or larger GPUs (--gpus)"
+            ) from None
+        self._fits = ids.numel() // 2
+        if not self._oom_logged:
+            log.warning("a batch of %d rows (%s padded tokens) ran out of memory (%s); forwards of at most %s "
+                        "tokens from now on (--batch-tokens %d asks for more; lower it to skip the retries)",
+                        len(part), f"{ids.numel():,}", _free_memory(self.device), f"{self._fits:,}",
+                        self.batch_tokens)
+            self._oom_logged = True
 
     def then(self, fn: Callable[[], None]) -> None:
         """Run fn in the writer thread once everything submitted so far has reached its sink (e.g. a commit)."""

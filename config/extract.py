@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import StageConfig
-from .options import CODECS, DTYPE_CHOICES, check, option, parse_gpus
+from .options import CODECS, DTYPE_CHOICES, check, check_model_dir, option, parse_gpus
 
 __all__ = ["ExtractConfig"]
 
@@ -57,6 +57,7 @@ class ExtractConfig(StageConfig):
              "the device's time in each forward and idle between them (events, no synchronize: it runs as fast).")
 
     def __post_init__(self) -> None:
+        check_model_dir(self.model, "--model")
         check(bool(self.data), "--data needs at least one file or folder")
         parse_gpus(self.gpus)
         check(self.max_length >= 2, f"--max-length must be >= 2, got {self.max_length}")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import StageConfig
-from .options import DTYPE_CHOICES, DTYPES, GENERATE_ENGINES, check, option
+from .options import DTYPE_CHOICES, DTYPES, GENERATE_ENGINES, check, check_model_dir, option
 
 __all__ = ["GenerateConfig"]
 
@@ -67,6 +67,7 @@ class GenerateConfig(StageConfig):
                     "is retried with backoff within it on timeouts, connection errors and 5xx answers.")
 
     def __post_init__(self) -> None:
+        check_model_dir(self.model, "--model")
         check(self.self_prompts is not None or self.prompts is not None,
                "--prompts is required (a prompts file to answer), unless --self-prompts N writes prompts instead")
         check(self.self_prompts is None or self.prompts is None,

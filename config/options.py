@@ -12,7 +12,7 @@ from ..errors import ConfigError
 __all__ = ["CODECS", "DRAFTERS", "DTYPES", "DTYPE_CHOICES", "GENERATE_ENGINES", "POSITION_WEIGHTS", "DPACE_ALPHA",
            "LEGACY_DEFAULTS", "option", "parse_layers", "parse_shard_ids", "parse_json_object", "parse_sampling_mix",
            "parse_budgets", "parse_val_fraction", "parse_gpus", "resolve_devices", "position_weights_option",
-           "drafter_option", "tree_budgets_option", "check", "check_budgets"]
+           "drafter_option", "tree_budgets_option", "check", "check_budgets", "check_model_dir"]
 
 CODECS = ("blosc", "none", "fp8")
 DRAFTERS = ("dflash", "dflash2")
@@ -207,6 +207,27 @@ def check(cond: bool, message: str) -> None:
     """Raise ConfigError(message) unless cond."""
     if not cond:
         raise ConfigError(message)
+
+
+def check_model_dir(path: str | None, option: str) -> None:
+    """Refuse a model path that cannot be a Hugging Face model folder: empty, a file, nothing there, or a folder
+    without config.json (one line each, before anything loads or any output exists)."""
+    import os
+
+    if path is None:
+        return
+    fix = "pass the folder of a Hugging Face model (config.json, weights, tokenizer)"
+    if not str(path).strip():
+        raise ConfigError(f"{option}: expected a Hugging Face model folder, got an empty path; {fix}")
+    if os.path.isfile(path):
+        raise ConfigError(f"{option} {path}: expected a Hugging Face model folder, found a file; {fix} (the folder "
+                          "that holds config.json)")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{option} {path}: expected a Hugging Face model folder, found nothing there; {fix} (a "
+                          "model on the Hub: `hf download ID --local-dir DIR` first, then pass DIR)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{option} {path}: expected a Hugging Face model folder with a config.json, found a folder "
+                          f"without one; {fix}")
 
 
 def check_budgets(budgets: tuple[int, ...]) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from .base import StageConfig
 from .extract import ExtractConfig
-from .options import check, option, parse_gpus
+from .options import check, check_model_dir, option, parse_gpus
 from .train import TrainConfig
 
 __all__ = ["RunConfig", "RUN_SHARED", "run_stage_options"]
@@ -29,6 +29,7 @@ class RunConfig(StageConfig):
     progress_every: float = option(30.0, help="Seconds between progress lines.")
 
     def __post_init__(self) -> None:
+        check_model_dir(self.model, "--model")
         check(bool(self.data), "--data needs at least one file or folder")
         parse_gpus(self.extract_gpus)
         parse_gpus(self.train_gpus)

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import StageConfig
-from .options import (DPACE_ALPHA, DRAFTERS, DTYPE_CHOICES, POSITION_WEIGHTS, check, check_budgets, drafter_option,
-                      option, parse_gpus, position_weights_option, tree_budgets_option)
+from .options import (DPACE_ALPHA, DRAFTERS, DTYPE_CHOICES, POSITION_WEIGHTS, check, check_budgets, check_model_dir,
+                      drafter_option, option, parse_gpus, position_weights_option, tree_budgets_option)
 
 __all__ = ["TrainConfig"]
 
@@ -80,6 +80,7 @@ class TrainConfig(StageConfig):
                     "block loss's denominator. Logged as loss_accept.")
 
     def __post_init__(self) -> None:
+        check_model_dir(self.target, "--target")
         parse_gpus(self.gpus)
         check(self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}")
         check(self.max_steps is None or self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}")

@@ -12,6 +12,7 @@ from ..errors import ConfigError, InputError
 from ..facts import NUM_FEATURE_LAYERS, build_target_layer_ids, validate_layer_ids
 from ..conversations import fingerprint, input_files
 from ..target.adapter import text_config
+from ..target.load import runtime_record
 from .plan import RowScan, default_shard_size, shard_record
 from .template import text_hash
 
@@ -163,7 +164,7 @@ def in_form_of(header: dict[str, Any], stored: dict[str, Any] | None) -> dict[st
                   "informational": [k for k in header["informational"] if k != "dataset.generated_by"]}
     if stored is None or "fingerprint" in (stored.get("target") or {}):
         return header
-    legacy = {k: v for k, v in header.items() if k != "informational"}
+    legacy = {k: v for k, v in header.items() if k not in ("informational", "runtime")}
     legacy["target"] = {k: v for k, v in header["target"].items() if k != "fingerprint"}
     return legacy
 
@@ -188,7 +189,7 @@ def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, templa
         # same target (train, too, ignores where the store lies). The path is kept to tell the user, not compared.
         # How `dflash generate` made the data (its numerics above all: decoding that verifies in other numerics
         # meets text the drafter never saw) is recorded to be shown, not compared.
-        "informational": ["target.path", "dataset.generated_by"],
+        "informational": ["target.path", "dataset.generated_by", "runtime"],
         "target": {
             "path": os.path.abspath(cfg.model),
             "architecture": archs[0],
@@ -217,4 +218,6 @@ def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, templa
             "generated_by": {f.name: g for f in files if (g := generated_by(f)) is not None},
         },
         "shard_plan": shard_record(num_rows, shard_size),
+        # What ran the target (shown, not compared: a resumed run may run on other releases).
+        "runtime": runtime_record(),
     }

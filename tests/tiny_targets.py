@@ -85,7 +85,7 @@ def build_tokenizer(style: str = "chatml"):
 # The model types `build_tiny_target` builds, each saved in the class its real checkpoints carry (a multimodal
 # wrapper where they ship as one). The mixed kinds sit within the first 5 layers, which extraction covers.
 TINY_ARCHS = ("qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss", "gemma3_text",
-              "gemma4", "mistral", "deepseek_v3")
+              "gemma4", "gemma4_large", "mistral", "deepseek_v3")
 TINY_WINDOW = 8  # the sliding window of the tiny sliding targets: shorter than their test samples
 _HYBRID = ["linear_attention", "linear_attention", "full_attention"]
 _SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
@@ -145,6 +145,11 @@ def _tiny_config(arch: str, common: dict, heads: int, n: int) -> Any:
         text_cfg = dict(head_dim=head_dim, sliding_window=TINY_WINDOW, hidden_size_per_layer_input=8,
                         vocab_size_per_layer_input=common["vocab_size"], num_kv_shared_layers=2,
                         layer_types=_layer_types(_SLIDING, n), **text)
+        return tf.Gemma4Config(text_config=text_cfg, vision_config=None, audio_config=None, tie_word_embeddings=tie)
+    if arch == "gemma4_large":  # as Gemma 4's larger sizes: no per-layer inputs, no KV sharing, wider global heads
+        text_cfg = dict(head_dim=head_dim, global_head_dim=2 * head_dim, sliding_window=TINY_WINDOW,
+                        hidden_size_per_layer_input=0, num_kv_shared_layers=0, layer_types=_layer_types(_SLIDING, n),
+                        **text)
         return tf.Gemma4Config(text_config=text_cfg, vision_config=None, audio_config=None, tie_word_embeddings=tie)
     raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(TINY_ARCHS)}")
 

@@ -11,6 +11,9 @@ from dflash.demo import assets
 from dflash.errors import AssetError
 from dflash.generate.answer import read_prompts
 
+# transformers' or torch's internals: `DFLASH_CI=newest bash .ci/run` runs these on the newest releases
+pytestmark = pytest.mark.internals
+
 ROLES = {"system", "user", "assistant"}
 
 

@@ -8,6 +8,9 @@ from dflash.target.load import load_for_features
 from dflash.target.runner import TargetRunner, pad_batch
 from test_extract_run import one_torch_thread  # noqa: F401
 
+# transformers' or torch's internals: `DFLASH_CI=newest bash .ci/run` runs these on the newest releases
+pytestmark = pytest.mark.internals
+
 LAYERS = [1, 3, 5]
 
 

@@ -9,6 +9,9 @@ import pytest
 from test_extract_run import data_file  # noqa: F401  (fixture)
 from test_train_run import dflash_main
 
+# transformers' or torch's internals: `DFLASH_CI=newest bash .ci/run` runs these on the newest releases
+pytestmark = pytest.mark.internals
+
 _FLAGS = ["--gpus", "cpu", "--batch-tokens", "1024", "--max-length", "256", "--min-loss-tokens", "1",
           "--dtype", "float32", "--shard-size", "4"]
 

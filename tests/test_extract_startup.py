@@ -15,6 +15,9 @@ import pytest
 from dflash.extract import orchestrate, run
 from test_extract_run import data_file, extract_config, one_torch_thread, store_samples  # noqa: F401  (fixtures)
 
+# transformers' or torch's internals: `DFLASH_CI=newest bash .ci/run` runs these on the newest releases
+pytestmark = pytest.mark.internals
+
 _FLAGS = ["--gpus", "cpu", "--batch-tokens", "1024", "--max-length", "256", "--min-loss-tokens", "1",
           "--dtype", "float32", "--shard-size", "4"]
 _ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -13,6 +13,9 @@ from dflash.errors import ConfigError, ManifestMismatch
 from dflash.target.numerics import (CAPABILITY_ENV, Capability, bf16_cost, capability_from, choose_dtype, cpu_capability,
                              resolve_dtype)
 
+# transformers' or torch's internals: `DFLASH_CI=newest bash .ci/run` runs these on the newest releases
+pytestmark = pytest.mark.internals
+
 AVX2, AVX512, AMX = Capability("AVX2"), Capability("AVX512"), Capability("AMX_BF16")
 AVX512_BF16, ARM = Capability("AVX512_BF16"), Capability("ARM_BF16")
 

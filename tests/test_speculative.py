@@ -14,6 +14,9 @@ from dflash.decode.drafting import block_anchors, decoding_walk, drafter_propose
 from dflash.decode.speculative import compare_one, greedy_decode, load_target, speculative_decode, static_decoder, summarize
 from dflash.drafter.files import open_drafter
 
+# transformers' or torch's internals: `DFLASH_CI=newest bash .ci/run` runs these on the newest releases
+pytestmark = pytest.mark.internals
+
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8, 250, 11, 60], [33]]
 
 

@@ -14,6 +14,9 @@ from dflash.facts import build_target_layer_ids
 from dflash.target.static_kv import StaticTarget, fast_unsupported
 from test_speculative import FIT_PROMPTS, PROMPTS, _fitted_drafter
 
+# transformers' or torch's internals: `DFLASH_CI=newest bash .ci/run` runs these on the newest releases
+pytestmark = pytest.mark.internals
+
 
 @pytest.fixture(scope="module")
 def target(tiny_qwen3):

@@ -14,6 +14,9 @@ from test_extract_run import one_torch_thread, store_samples, write_conversation
 from test_extract_refusals import _one_line
 from test_train_run import dflash_main
 
+# transformers' or torch's internals: `DFLASH_CI=newest bash .ci/run` runs these on the newest releases
+pytestmark = pytest.mark.internals
+
 LAYERS = (1, 2, 3, 4)  # of 6: the last layer is never run, every kind the tiny targets mix lies within these
 FLAGS = ["--gpus", "cpu", "--dtype", "float32", "--max-length", "96", "--batch-tokens", "512", "--min-loss-tokens", "1",
          "--shard-size", "8"]

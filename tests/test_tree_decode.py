@@ -20,6 +20,9 @@ from dflash.target.static_kv import StaticTarget
 from test_speculative import FIT_PROMPTS, PROMPTS, _fitted_drafter
 from test_static_decode import random_drafter
 
+# transformers' or torch's internals: `DFLASH_CI=newest bash .ci/run` runs these on the newest releases
+pytestmark = pytest.mark.internals
+
 
 @pytest.fixture(scope="module")
 def target64(tiny_qwen3):

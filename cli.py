@@ -11,6 +11,7 @@ import click
 
 from . import __version__
 from .config import DemoConfig, EvalConfig, ExtractConfig, GenerateConfig, RunConfig, TrainConfig, run_stage_options
+from .config.options import flag_name
 from .errors import ConfigError, DflashError
 
 log = logging.getLogger("dflash")
@@ -57,18 +58,25 @@ def _apply_config_file(ctx: click.Context, param: click.Parameter, value: str | 
     cmd_name = ctx.command.name
     if cmd_name in data and isinstance(data[cmd_name], dict):
         data = data[cmd_name]
-    known = {p.name: p for p in ctx.command.params if p.name and p.name != "config"}
+    params = [p for p in ctx.command.params if p.name and p.name != "config" and not getattr(p, "hidden", False)]
+    # A key is an option's name (tree-tau-nodes) or, deprecated, the name it had before (tree-budgets: the
+    # parameter's name, which is its config field's).
+    flags = {o.lstrip("-").replace("-", "_"): p for p in params for o in p.opts if o.startswith("--")}
+    known = {**{p.name: p for p in params}, **flags}
     defaults: dict[str, Any] = {}
     for key, val in data.items():
         name = str(key).replace("-", "_")
         if name not in known:
             raise ConfigError(
                 f"--config {value}: `dflash {cmd_name}` has no option {key!r}; "
-                f"allowed: {', '.join(sorted(n.replace('_', '-') for n in known))}"
+                f"allowed: {', '.join(sorted(n.replace('_', '-') for n in flags))}"
             )
-        if isinstance(val, list) and not known[name].multiple and not known[name].nargs != 1:
+        param = known[name]
+        if name not in flags:
+            _deprecated(f"{key!r} in --config {value}", param.opts[0].lstrip("-"))
+        if isinstance(val, list) and not param.multiple and not param.nargs != 1:
             val = ",".join(str(v) for v in val)
-        defaults[name] = val
+        defaults[param.name] = val
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
 
@@ -126,7 +134,9 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), names: dict[str, st
         for field in reversed([x for x in dataclasses.fields(cls) if x.name not in skip
                                and (names is None or x.name in names)]):
             meta = field.metadata
-            name = "--" + (names or {}).get(field.name, field.name).replace("_", "-")
+            key = (names or {}).get(field.name, field.name)  # the parameter's name: make_config's key
+            prefix = key[: -len(field.name)] if key.endswith(field.name) else ""  # `dflash run`'s train_ / extract_
+            name = "--" + (prefix + flag_name(field)).replace("_", "-")
             required = field.default is dataclasses.MISSING
             kw: dict[str, Any] = {"help": meta.get("help"), "metavar": meta.get("metavar")}
             if field.type == "bool":
@@ -142,10 +152,53 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), names: dict[str, st
                     kw.update(default=default, show_default=default is not None)
             if meta.get("unless"):
                 kw.update(cls=_RequiredUnless, unless=meta["unless"])
-            f = click.option(name, **kw)(f)
+            f = click.option(name, key, **kw)(f)
+            for alias in meta.get("aliases", ()):
+                f = click.option("--" + (prefix + alias).replace("_", "-"), alias_key(key, alias), hidden=True,
+                                 default=None, type=kw.get("type", str), metavar=kw.get("metavar"),
+                                 callback=_warn_alias(name))(f)
         return f
 
     return decorate
+
+
+def alias_key(key: str, alias: str) -> str:
+    """Return the parameter name of an option's deprecated spelling (tree_budgets__was_tree_budgets)."""
+    return f"{key}__was_{alias}"
+
+
+def _deprecated(what: str, now: str) -> None:
+    """Print the one deprecation line of a former option name."""
+    click.echo(f"dflash: warning: {what} is deprecated, use --{now} (same values); the old name goes away in a "
+               "later release", err=True)
+
+
+def _warn_alias(now: str) -> Callable:
+    """Return the callback of a deprecated spelling of option `now`: one line when it is given."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is not None and ctx.get_parameter_source(param.name) is not click.core.ParameterSource.DEFAULT:
+            _deprecated(param.opts[0], now.lstrip("-"))
+        return value
+
+    return callback
+
+
+def _with_alias(field: Any, key: str, opts: dict[str, Any]) -> Any:
+    """Return the option's value, or its deprecated spelling's where only that was given (both given: refused)."""
+    value = opts[key]
+    for alias in field.metadata.get("aliases", ()):
+        old = opts.get(alias_key(key, alias))
+        if old is None:
+            continue
+        ctx = click.get_current_context(silent=True)
+        source = ctx.get_parameter_source(key) if ctx else None
+        if source not in (None, click.core.ParameterSource.DEFAULT):
+            raise ConfigError(f"--{alias.replace('_', '-')} {old} and --{flag_name(field).replace('_', '-')} "
+                              f"{value if not isinstance(value, tuple) else ','.join(map(str, value))}: the first "
+                              "is the deprecated name of the second; pass only the second")
+        value = old
+    return value
 
 
 def make_config(cls: type, opts: dict[str, Any], names: dict[str, str] | None = None, **fixed: Any) -> Any:
@@ -162,7 +215,7 @@ def make_config(cls: type, opts: dict[str, Any], names: dict[str, str] | None = 
         key = (names or {}).get(field.name, field.name)
         if field.name in fixed or key not in opts:
             continue
-        value = opts[key]
+        value = _with_alias(field, key, opts)
         if field.metadata.get("parse"):
             value = getattr(config_mod, field.metadata["parse"])(value)
         elif isinstance(value, list):

@@ -71,9 +71,9 @@ FIXES: dict[str, tuple[str, str]] = {
 def _md(text: str | None) -> str:
     """Return help text safe inside a Markdown table cell."""
     text = " ".join((text or "").split())
-    for ch in ("\\", "|", "*", "<", ">", "[", "]"):
+    for ch in ("\\", "|", "*", "[", "]"):
         text = text.replace(ch, "\\" + ch)
-    return text
+    return text.replace("<", "&lt;").replace(">", "&gt;")  # Markdown has no escape for these two
 
 
 def _default(p: Any) -> str:

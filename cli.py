@@ -11,6 +11,7 @@ import click
 
 from . import __version__
 from .config import DemoConfig, EvalConfig, ExtractConfig, GenerateConfig, RunConfig, TrainConfig, run_stage_options
+from .config.aliases import alias_key, deprecated, warn_alias, with_alias
 from .config.options import flag_name
 from .errors import ConfigError, DflashError
 
@@ -73,7 +74,7 @@ def _apply_config_file(ctx: click.Context, param: click.Parameter, value: str | 
             )
         param = known[name]
         if name not in flags:
-            _deprecated(f"{key!r} in --config {value}", param.opts[0].lstrip("-"))
+            deprecated(f"{key!r} in --config {value}", param.opts[0].lstrip("-"))
         if isinstance(val, list) and not param.multiple and not param.nargs != 1:
             val = ",".join(str(v) for v in val)
         defaults[param.name] = val
@@ -156,49 +157,10 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), names: dict[str, st
             for alias in meta.get("aliases", ()):
                 f = click.option("--" + (prefix + alias).replace("_", "-"), alias_key(key, alias), hidden=True,
                                  default=None, type=kw.get("type", str), metavar=kw.get("metavar"),
-                                 callback=_warn_alias(name))(f)
+                                 callback=warn_alias(name))(f)
         return f
 
     return decorate
-
-
-def alias_key(key: str, alias: str) -> str:
-    """Return the parameter name of an option's deprecated spelling (tree_budgets__was_tree_budgets)."""
-    return f"{key}__was_{alias}"
-
-
-def _deprecated(what: str, now: str) -> None:
-    """Print the one deprecation line of a former option name."""
-    click.echo(f"dflash: warning: {what} is deprecated, use --{now} (same values); the old name goes away in a "
-               "later release", err=True)
-
-
-def _warn_alias(now: str) -> Callable:
-    """Return the callback of a deprecated spelling of option `now`: one line when it is given."""
-
-    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
-        if value is not None and ctx.get_parameter_source(param.name) is not click.core.ParameterSource.DEFAULT:
-            _deprecated(param.opts[0], now.lstrip("-"))
-        return value
-
-    return callback
-
-
-def _with_alias(field: Any, key: str, opts: dict[str, Any]) -> Any:
-    """Return the option's value, or its deprecated spelling's where only that was given (both given: refused)."""
-    value = opts[key]
-    for alias in field.metadata.get("aliases", ()):
-        old = opts.get(alias_key(key, alias))
-        if old is None:
-            continue
-        ctx = click.get_current_context(silent=True)
-        source = ctx.get_parameter_source(key) if ctx else None
-        if source not in (None, click.core.ParameterSource.DEFAULT):
-            raise ConfigError(f"--{alias.replace('_', '-')} {old} and --{flag_name(field).replace('_', '-')} "
-                              f"{value if not isinstance(value, tuple) else ','.join(map(str, value))}: the first "
-                              "is the deprecated name of the second; pass only the second")
-        value = old
-    return value
 
 
 def make_config(cls: type, opts: dict[str, Any], names: dict[str, str] | None = None, **fixed: Any) -> Any:
@@ -215,7 +177,7 @@ def make_config(cls: type, opts: dict[str, Any], names: dict[str, str] | None = 
         key = (names or {}).get(field.name, field.name)
         if field.name in fixed or key not in opts:
             continue
-        value = _with_alias(field, key, opts)
+        value = with_alias(field, key, opts)
         if field.metadata.get("parse"):
             value = getattr(config_mod, field.metadata["parse"])(value)
         elif isinstance(value, list):

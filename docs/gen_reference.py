@@ -108,7 +108,7 @@ def cli_page() -> str:
 
     from dflash.cli import cli
 
-    root = click.Context(cli, info_name="dflash")
+    root = cli.make_context("dflash", [], resilient_parsing=True)  # with the group's context_settings (-h, --help)
     out = [HEADER, "# Command-line reference\n",
            "Every command and option of `dflash`, generated from the commands themselves (`docs/gen_reference.py`); "
            "`dflash COMMAND --help` prints the same. Every command also takes `--config FILE`: a YAML, TOML or JSON "
@@ -120,7 +120,7 @@ def cli_page() -> str:
     deprecated: list[tuple[str, str, str]] = []
     for name in sorted(cli.commands, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)):
         cmd = cli.commands[name]
-        ctx = click.Context(cmd, info_name=name, parent=root)
+        ctx = cmd.make_context(name, [], parent=root, resilient_parsing=True)
         out.append(f"## `dflash {name}`\n")
         out.append(_md_block(cmd.help))
         out.append("```\n" + cmd.get_usage(ctx).replace("Usage: ", "") + "\n```\n")
@@ -156,10 +156,13 @@ def _options_table(ctx: Any, cmd: Any) -> str:
     import click
 
     rows = ["| option | default | what it does |", "|---|---|---|"]
-    for p in cmd.get_params(ctx):
+    for p in cmd.params:
         if not isinstance(p, click.Option) or p.hidden:
             continue
         rows.append(f"| {_name(p)} | {_default(p)} | {_md(p.help)} |")
+    # The help option from the context's settings, not cmd.get_params: click keeps a command's help option from
+    # the first context that asked for it, which may have been made without the group's settings.
+    rows.append(f"| `{', '.join(ctx.help_option_names)}` |  | Show this message and exit. |")
     return "\n".join(rows) + "\n"
 
 

@@ -11,6 +11,8 @@ import click
 
 from . import __version__
 from .config import DemoConfig, EvalConfig, ExtractConfig, GenerateConfig, RunConfig, TrainConfig, run_stage_options
+from .config.aliases import alias_key, deprecated, warn_alias, with_alias
+from .config.options import flag_name
 from .errors import ConfigError, DflashError
 
 log = logging.getLogger("dflash")
@@ -57,18 +59,25 @@ def _apply_config_file(ctx: click.Context, param: click.Parameter, value: str | 
     cmd_name = ctx.command.name
     if cmd_name in data and isinstance(data[cmd_name], dict):
         data = data[cmd_name]
-    known = {p.name: p for p in ctx.command.params if p.name and p.name != "config"}
+    params = [p for p in ctx.command.params if p.name and p.name != "config" and not getattr(p, "hidden", False)]
+    # A key is an option's name (tree-tau-nodes) or, deprecated, the name it had before (tree-budgets: the
+    # parameter's name, which is its config field's).
+    flags = {o.lstrip("-").replace("-", "_"): p for p in params for o in p.opts if o.startswith("--")}
+    known = {**{p.name: p for p in params}, **flags}
     defaults: dict[str, Any] = {}
     for key, val in data.items():
         name = str(key).replace("-", "_")
         if name not in known:
             raise ConfigError(
                 f"--config {value}: `dflash {cmd_name}` has no option {key!r}; "
-                f"allowed: {', '.join(sorted(n.replace('_', '-') for n in known))}"
+                f"allowed: {', '.join(sorted(n.replace('_', '-') for n in flags))}"
             )
-        if isinstance(val, list) and not known[name].multiple and not known[name].nargs != 1:
+        param = known[name]
+        if name not in flags:
+            deprecated(f"{key!r} in --config {value}", param.opts[0].lstrip("-"))
+        if isinstance(val, list) and not param.multiple and not param.nargs != 1:
             val = ",".join(str(v) for v in val)
-        defaults[name] = val
+        defaults[param.name] = val
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
 
@@ -126,7 +135,9 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), names: dict[str, st
         for field in reversed([x for x in dataclasses.fields(cls) if x.name not in skip
                                and (names is None or x.name in names)]):
             meta = field.metadata
-            name = "--" + (names or {}).get(field.name, field.name).replace("_", "-")
+            key = (names or {}).get(field.name, field.name)  # the parameter's name: make_config's key
+            prefix = key[: -len(field.name)] if key.endswith(field.name) else ""  # `dflash run`'s train_ / extract_
+            name = "--" + (prefix + flag_name(field)).replace("_", "-")
             required = field.default is dataclasses.MISSING
             kw: dict[str, Any] = {"help": meta.get("help"), "metavar": meta.get("metavar")}
             if field.type == "bool":
@@ -142,7 +153,11 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), names: dict[str, st
                     kw.update(default=default, show_default=default is not None)
             if meta.get("unless"):
                 kw.update(cls=_RequiredUnless, unless=meta["unless"])
-            f = click.option(name, **kw)(f)
+            f = click.option(name, key, **kw)(f)
+            for alias in meta.get("aliases", ()):
+                f = click.option("--" + (prefix + alias).replace("_", "-"), alias_key(key, alias), hidden=True,
+                                 default=None, type=kw.get("type", str), metavar=kw.get("metavar"),
+                                 callback=warn_alias(name))(f)
         return f
 
     return decorate
@@ -162,7 +177,7 @@ def make_config(cls: type, opts: dict[str, Any], names: dict[str, str] | None = 
         key = (names or {}).get(field.name, field.name)
         if field.name in fixed or key not in opts:
             continue
-        value = opts[key]
+        value = with_alias(field, key, opts)
         if field.metadata.get("parse"):
             value = getattr(config_mod, field.metadata["parse"])(value)
         elif isinstance(value, list):

@@ -41,9 +41,11 @@ class StageConfig:
 
     def to_argv(self) -> list[str]:
         """Return the command-line flags that make this config (what `dflash run` passes the stage it starts)."""
+        from .options import flag_name
+
         out: list[str] = []
         for f in dataclasses.fields(self):
-            value, flag = getattr(self, f.name), "--" + f.name.replace("_", "-")
+            value, flag = getattr(self, f.name), "--" + flag_name(f).replace("_", "-")
             if f.type == "bool":
                 out += [flag] if value else []
             elif value is None:

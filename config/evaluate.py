@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import StageConfig
-from .options import DTYPE_CHOICES, check, check_budgets, check_model_dir, option, tree_budgets_option
+from .options import DTYPE_CHOICES, check, check_budgets, check_model_dir, option, tree_tau_nodes_option
 
 __all__ = ["EvalConfig"]
 
@@ -37,10 +37,10 @@ class EvalConfig(StageConfig):
     dtype: str = option("auto", choices=DTYPE_CHOICES,
                         help="Compute dtype (weights stay fp32), as training's validation: auto is bfloat16 on CUDA "
                              "and on CPUs with native bf16, float32 on other CPUs.")
-    tree_budgets: tuple[int, ...] = tree_budgets_option(" on the store")
+    tree_budgets: tuple[int, ...] = tree_tau_nodes_option(" on the store")
     tree_budget: tuple[int, ...] | None = option(
-        None, parse="parse_budgets", metavar="N[,N..]",
-        help="With --prompts: also decode with DDTree trees of N nodes (one drafter pass, one target forward over "
+        None, parse="parse_budgets", metavar="N[,N..]", flag="tree_decode_nodes", aliases=("tree_budget",),
+        help="With --prompts: also decode with DDTrees of N nodes (one drafter pass, one target forward over "
              "the tree, greedy) and report tau, target forwards and wall clock beside greedy and the path, per N. "
              "Attention-only targets (Llama, Qwen2, Qwen3).")
 
@@ -60,8 +60,8 @@ class EvalConfig(StageConfig):
         check(self.batch_tokens >= 1, f"--batch-tokens must be >= 1, got {self.batch_tokens}")
         check(self.anchors >= 1, f"--anchors must be >= 1, got {self.anchors}")
         check(self.dtype in DTYPE_CHOICES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
-        check_budgets(self.tree_budgets)
-        check_budgets(self.tree_budget or ())
+        check_budgets(self.tree_budgets, "--tree-tau-nodes")
+        check_budgets(self.tree_budget or (), "--tree-decode-nodes")
         check(not self.tree_budget or self.prompts is not None,
-               f"--tree-budget {','.join(map(str, self.tree_budget or ()))} decodes prompts: pass --prompts FILE (on a store, "
-               "--tree-budgets reports tree tau teacher-forced)")
+               f"--tree-decode-nodes {','.join(map(str, self.tree_budget or ()))} decodes prompts: pass --prompts FILE "
+               "(on a store, --tree-tau-nodes reports tree tau teacher-forced)")

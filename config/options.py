@@ -12,7 +12,7 @@ from ..errors import ConfigError
 __all__ = ["CODECS", "DRAFTERS", "DTYPES", "DTYPE_CHOICES", "GENERATE_ENGINES", "POSITION_WEIGHTS", "DPACE_ALPHA",
            "LEGACY_DEFAULTS", "option", "parse_layers", "parse_shard_ids", "parse_json_object", "parse_sampling_mix",
            "parse_budgets", "parse_val_fraction", "parse_gpus", "resolve_devices", "position_weights_option",
-           "drafter_option", "tree_budgets_option", "check", "check_budgets", "check_model_dir"]
+           "drafter_option", "tree_tau_nodes_option", "check", "check_budgets", "check_model_dir", "flag_name"]
 
 CODECS = ("blosc", "none", "fp8")
 DRAFTERS = ("dflash", "dflash2")
@@ -28,17 +28,25 @@ LEGACY_DEFAULTS = {"drafter": "dflash", "position_weights": "decay"}
 
 def option(default: Any = dataclasses.MISSING, *, help: str, choices: tuple[str, ...] | None = None,
            cli_default: str | None = None, parse: str | None = None, metavar: str | None = None,
-           unless: str | None = None) -> Any:
+           unless: str | None = None, flag: str | None = None, aliases: tuple[str, ...] = ()) -> Any:
     """Return a config field whose metadata is its command-line option: the one place for default, choices, help.
 
     cli_default: the text the option shows and takes by default when the field's value is not text (layers: auto);
     parse: the name of the parser here (dflash.config exports it) that turns the option's text into the field's
     value;
-    unless: a required field that may be None when this other option is given (its __post_init__ checks).
+    unless: a required field that may be None when this other option is given (its __post_init__ checks);
+    flag: the option's name (tree_tau_nodes for --tree-tau-nodes) where it differs from the field's, which stays what
+    saved configs hold;
+    aliases: former option names, still taken for a release as hidden options that print one deprecation line.
     """
     meta = {"help": help, "choices": choices, "cli_default": cli_default, "parse": parse, "metavar": metavar,
-            "unless": unless}
+            "unless": unless, "flag": flag, "aliases": tuple(aliases)}
     return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_name(field: dataclasses.Field) -> str:
+    """Return a config field's option name, underscored (tree_tau_nodes): its `flag`, else the field's name."""
+    return field.metadata.get("flag") or field.name
 
 
 def _parse_ids(value: Any, flag: str, example: str) -> tuple[int, ...]:
@@ -115,11 +123,11 @@ def parse_sampling_mix(value: Any) -> tuple[dict[str, Any], ...] | None:
 
 
 def parse_budgets(value: Any) -> tuple[int, ...] | None:
-    """Return the tree budgets of a `--tree-budgets` / `--tree-budget` value ("8,16,32,64" -> (8, 16, 32, 64);
+    """Return the node counts of a `--tree-tau-nodes` / `--tree-decode-nodes` value ("8,16,32,64" -> (8, 16, 32, 64);
     "" -> (); None -> None: not given)."""
     if value is None:
         return None
-    return _parse_ids(value, "tree budgets", "8,16,32,64 (or '' for none)")
+    return _parse_ids(value, "tree node counts", "8,16,32,64 (or '' for none)")
 
 
 def parse_val_fraction(value: Any) -> float | None:
@@ -195,10 +203,14 @@ def drafter_option(default: str | None = "dflash2", why: str = "") -> Any:
                        "each sublayer and a candidate selector) or dflash (DFlashDraftModel)." + why)
 
 
-def tree_budgets_option(where: str) -> Any:
-    """Return the --tree-budgets field (train's validation and eval's: one default, one help)."""
+# The three uses of a DDTree's node count N each have one name, the same in every command: --tree-tau-nodes (the
+# teacher-forced metric: train's validation, eval on a store), --tree-decode-nodes (eval decoding prompts with trees),
+# --tree-loss-nodes (train's tree loss). Their former names stay as hidden aliases for a release (2026-12-04).
+def tree_tau_nodes_option(where: str) -> Any:
+    """Return the --tree-tau-nodes field (train's validation and eval's: one default, one help)."""
     return option((8, 16, 32, 64), parse="parse_budgets", metavar="N,N,..", cli_default="8,16,32,64",
-                  help="Report tree tau for DDTree budgets of these many nodes" + where + ": 1 + the depth of the "
+                  flag="tree_tau_nodes", aliases=("tree_budgets",),
+                  help="Report tree tau for DDTrees of these node counts" + where + ": 1 + the depth of the "
                        "longest gold prefix among the N best prefixes of the drafter's per-slot distributions "
                        "(teacher-forced; '' for none).")
 
@@ -230,6 +242,6 @@ def check_model_dir(path: str | None, option: str) -> None:
                           f"without one; {fix}")
 
 
-def check_budgets(budgets: tuple[int, ...]) -> None:
-    """Refuse tree budgets that are not node counts >= 1."""
-    check(all(n >= 1 for n in budgets), f"tree budgets must be node counts >= 1, got {list(budgets)}")
+def check_budgets(budgets: tuple[int, ...], flag: str) -> None:
+    """Refuse tree sizes that are not node counts >= 1."""
+    check(all(n >= 1 for n in budgets), f"{flag} must be node counts >= 1, got {list(budgets)}")

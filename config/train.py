@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from .base import StageConfig
 from .options import (DPACE_ALPHA, DRAFTERS, DTYPE_CHOICES, POSITION_WEIGHTS, check, check_budgets, check_model_dir,
-                      drafter_option, option, parse_gpus, position_weights_option, tree_budgets_option)
+                      drafter_option, option, parse_gpus, position_weights_option, tree_tau_nodes_option)
 
 __all__ = ["TrainConfig"]
 
@@ -69,12 +69,12 @@ class TrainConfig(StageConfig):
     position_weights: str = position_weights_option()
     dpace_alpha: float = option(DPACE_ALPHA, help="D-PACE's confidence floor: q~ = (1 - alpha) q + alpha, in (0, 1] "
                                                   "(with --position-weights dpace; the paper's 0.5).")
-    tree_budgets: tuple[int, ...] = tree_budgets_option(" in validation")
+    tree_budgets: tuple[int, ...] = tree_tau_nodes_option(" in validation")
     tree_loss: int | None = option(
-        None, metavar="N",
+        None, metavar="N", flag="tree_loss_nodes", aliases=("tree_loss",),
         help="Add the tree loss for DDTree serving with N nodes: sum_k w_k softplus(tau_N - S_k) per block, S_k the "
              "gold prefix's summed log-probs, tau_N the N-th best prefix score (no gradient), w_k the block loss's "
-             "weights (README, train/tree_loss.py). Logged as loss_tree.")
+             "weights (docs/concepts/trees.md, train/tree_loss.py). Logged as loss_tree.")
     accept_loss: bool = option(
         False, help="Add minus the path's expected accepted length, sum_k prod_{i<=k} q_i(y_i) per block, over the "
                     "block loss's denominator. Logged as loss_accept.")
@@ -124,8 +124,9 @@ class TrainConfig(StageConfig):
         check(self.position_weights in POSITION_WEIGHTS,
                f"--position-weights {self.position_weights!r}: use {' or '.join(POSITION_WEIGHTS)}")
         check(0 < self.dpace_alpha <= 1, f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha}")
-        check_budgets(self.tree_budgets)
-        check(self.tree_loss is None or self.tree_loss >= 1, f"--tree-loss must be a budget >= 1, got {self.tree_loss}")
+        check_budgets(self.tree_budgets, "--tree-tau-nodes")
+        check(self.tree_loss is None or self.tree_loss >= 1,
+               f"--tree-loss-nodes must be a node count >= 1, got {self.tree_loss}")
         check(self.dpace_alpha == DPACE_ALPHA or self.position_weights == "dpace",
                f"--dpace-alpha {self.dpace_alpha} applies to --position-weights dpace only (it is "
                f"{self.position_weights}); drop it or pass --position-weights dpace")

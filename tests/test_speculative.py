@@ -331,7 +331,7 @@ def test_eval_on_a_prompt_file_measures_tau_by_decoding(tiny_qwen3, layer_ids, t
     rows = tmp_path / "rows.jsonl"
     # The CLI in this process (its own process would add only its start-up: torch and transformers imports).
     args = ["eval", "--drafter", str(tmp_path / "run"), "--prompts", str(prompts), "--target", str(tiny_qwen3),
-            "--decode", "12", "--out", str(rows), "--tree-budget", "2,8", "--json"]
+            "--decode", "12", "--out", str(rows), "--tree-decode-nodes", "2,8", "--json"]
     code, out, err = dflash_main(capsys, *args)
     assert code == 0, err
     result = json.loads(out)

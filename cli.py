@@ -272,15 +272,24 @@ def run_(**opts: Any) -> int:
 def eval_(as_json: bool, **opts: Any) -> None:
     """Teacher-forced tau_hat of a drafter on a store's held-out shards, or measured tau on a prompt file."""
     cfg = make_config(EvalConfig, opts)
-    if cfg.prompts is not None:
-        from .decode.prompt_eval import format_prompt_eval as fmt, run_prompt_eval
-        from .drafter.folders import resolve_drafter
+    from .runtime.memory import is_out_of_memory, out_of_memory_error
 
-        result = run_prompt_eval(cfg, *resolve_drafter(cfg.drafter))
-    else:
-        from .train.evaluate import format_eval as fmt, run_eval
+    try:
+        if cfg.prompts is not None:
+            from .decode.prompt_eval import format_prompt_eval as fmt, run_prompt_eval
+            from .drafter.folders import resolve_drafter
 
-        result = run_eval(cfg)
+            result = run_prompt_eval(cfg, *resolve_drafter(cfg.drafter))
+        else:
+            from .train.evaluate import format_eval as fmt, run_eval
+
+            result = run_eval(cfg)
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        shrink = ("fewer --decode tokens (--out keeps the prompts decoded so far)" if cfg.prompts is not None else
+                  "a smaller --batch-tokens or --anchors")
+        raise out_of_memory_error("dflash eval", "cuda" if _cuda() else "cpu", shrink, e) from None
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else fmt(result))
 
 
@@ -343,6 +352,12 @@ def demo(**opts: Any) -> None:
     from . import demo as stage
 
     click.echo(stage.format_table(stage.run(cfg)))
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> None:

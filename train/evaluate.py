@@ -154,7 +154,9 @@ def run_eval(cfg: "EvalConfig") -> dict[str, Any]:
         ids, split = sorted(committed), "all committed shards"
     elif record is not None and cfg.val_fraction is None:
         ids, split = list(record["resolved"]["val_shards"]), f"held-out shards of run {folder.parent.parent}"
-        batch_tokens, anchors = record["config"]["batch_tokens"], record["config"]["anchors"]
+        # The run's own batch, or a smaller one asked for (a batch that ran out of memory).
+        batch_tokens = min(record["config"]["batch_tokens"], cfg.batch_tokens)
+        anchors = min(record["config"]["anchors"], cfg.anchors)
     elif cfg.val_fraction:
         ids = split_shards(store.num_shards, cfg.val_fraction)[1]
         split = f"held-out shards of --val-fraction {cfg.val_fraction}"

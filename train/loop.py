@@ -282,8 +282,18 @@ class Trainer:
 
 def train_rank(cfg: "TrainConfig") -> None:
     """Train on this process's rank (RANK/WORLD_SIZE from torchrun or our launcher; a world of one otherwise)."""
+    from ..runtime.memory import is_out_of_memory, out_of_memory_error
+
     trainer = Trainer(cfg)
     try:
         trainer.train()
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        raise out_of_memory_error(
+            f"dflash train (rank {trainer.dist.rank})", trainer.dist.device,
+            "a smaller --batch-tokens or --anchors (one slot's micro-batch) and a new --out, since a resumed run "
+            "keeps its batches; or on GPUs with more memory (--resume continues from the newest checkpoint)",
+            e) from None
     finally:
         trainer.release()

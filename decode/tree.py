@@ -45,17 +45,17 @@ def check_tree(target: Any, budget: int) -> None:
     """Raise InputError (one line) when this target cannot verify a tree or budget is no tree size."""
     why = tree_unsupported(target.config)
     if why is not None:
-        raise InputError(f"--tree-budget {budget}: this target cannot verify a tree: {why}; decode without "
-                         "--tree-budget")
+        raise InputError(f"--tree-decode-nodes {budget}: this target cannot verify a tree: {why}; decode without "
+                         "--tree-decode-nodes")
     if budget < 1:
-        raise InputError(f"--tree-budget must be >= 1 node, got {budget}")
+        raise InputError(f"--tree-decode-nodes must be >= 1 node, got {budget}")
 
 
 def check_greedy(temperature: float) -> None:
     """Raise InputError (one line) for temperature > 0: trees decode greedily only."""
     if temperature > 0:
-        raise InputError(f"--tree-budget decodes greedily only (temperature 0), got temperature {temperature}; "
-                         "drop --tree-budget to sample with the path")
+        raise InputError(f"--tree-decode-nodes decodes greedily only (temperature 0), got temperature {temperature}; "
+                         "drop --tree-decode-nodes to sample with the path")
 
 
 class TreeDecoder:

@@ -41,7 +41,7 @@ class Budget:
     position_weights: str = "decay"
     # DDTree budgets the held-out prompts are also decoded with (greedy trees, decode/tree.py): one column each.
     tree_budgets: tuple[int, ...] = ()
-    # Extra objectives of the training (train/tree_loss.py; bench/demo_gpu.py's A/B sets them): --tree-loss N and
+    # Extra objectives of the training (train/tree_loss.py; bench/demo_gpu.py's A/B sets them): --tree-loss-nodes N and
     # --accept-loss.
     tree_loss: int | None = None
     accept_loss: bool = False

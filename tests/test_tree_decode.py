@@ -110,7 +110,7 @@ def test_tree_decoding_equals_greedy_and_a_walk_with_separate_forwards(target64,
 def test_a_recurrent_target_and_sampling_are_refused_in_one_line(target64, fitted64) -> None:
     hybrid = SimpleNamespace(model_type="qwen3_5", layer_types=["linear_attention"] * 3 + ["full_attention"])
     assert "recurrent" in tree_unsupported(hybrid)
-    with pytest.raises(InputError, match=r"^--tree-budget 8: this target cannot verify a tree: its recurrent") as e:
+    with pytest.raises(InputError, match=r"^--tree-decode-nodes 8: this target cannot verify a tree: its recurrent") as e:
         TreeDecoder(SimpleNamespace(config=hybrid), fitted64, budget=8, max_len=16)
     assert "\n" not in str(e.value)
     assert tree_unsupported(target64.config) is None

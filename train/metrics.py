@@ -243,7 +243,7 @@ def step_record(m: "Metrics", tokens: float, wait: float, flops: float, *, cfg: 
         "prefetch_depth": prefetch_depth,
         "eta_s": eta_s, "blocks": m.blocks,
         **m.selector_dict(),  # DFlash 2's loss terms and selector metrics; none for DFlash 1
-        **m.objective_dict(),  # --tree-loss and --accept-loss terms; none when off
+        **m.objective_dict(),  # --tree-loss-nodes and --accept-loss terms; none when off
         # This rank's peak device memory so far (what a larger drafter or batch has to fit in).
         "peak_mem_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30
         if torch.device(dist.device).type == "cuda" else None,

@@ -83,7 +83,7 @@ class Metrics:
     selector_covered: int = 0
     selector_count: int = 0
     selector_streak_sum: int = 0
-    # --tree-loss and --accept-loss (train/tree_loss.py): their weighted sums over the same denominator as ce_sum.
+    # --tree-loss-nodes and --accept-loss (train/tree_loss.py): their weighted sums over the same denominator as ce_sum.
     tree_sum: float = 0.0
     accept_sum: float = 0.0
 
@@ -129,7 +129,7 @@ class Metrics:
         return Metrics.from_tensor(self.to_tensor() + other.to_tensor())
 
     def objective_dict(self) -> dict[str, Any]:
-        """Return the --tree-loss and --accept-loss terms that ran (none when off): loss_tree and loss_accept, their
+        """Return the --tree-loss-nodes and --accept-loss terms that ran (none when off): loss_tree and loss_accept, their
         sums over the block loss's denominator (the objective adds them to `loss`)."""
         out = {}
         if self.tree_sum:

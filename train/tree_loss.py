@@ -11,7 +11,7 @@ The choices, all of them:
 - Which distribution: the drafter's own per-slot softmax (for DFlash 2 the unary logits, before the selector), as
   DDTree builds its tree from one pass; its top-K log-probabilities come from the lm_head pass that gives the CE
   (K = the largest budget, which keeps the tree exact).
-- Tree loss (`--tree-loss N`): S_k = sum_{i<=k} log q_i(y_i), the gold prefix's score (differentiable through every
+- Tree loss (`--tree-loss-nodes N`): S_k = sum_{i<=k} log q_i(y_i), the gold prefix's score (differentiable through every
   slot i <= k), tau_N = the N-th best prefix score of the block's tree (best_scores: no gradient, a moving target
   like a hinge's). The prefix of length k is a node of the N-node tree iff S_k >= tau_N; the term is
   sum_k w_k softplus(tau_N - S_k), with w_k the block loss's weight of slot k (decay or D-PACE): a smooth margin,

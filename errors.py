@@ -10,6 +10,7 @@ __all__ = [
     "CorruptShard",
     "AssetError",
     "ServerError",
+    "PeerError",
 ]
 
 
@@ -48,3 +49,7 @@ class AssetError(DflashError):
 
 class ServerError(DflashError):
     """A serving endpoint (`dflash generate --server`) that cannot be reached or refuses what is asked."""
+
+
+class PeerError(DflashError):
+    """A rank of a sharded target lost its peers in a collective (one killed, hung, or failed first)."""

@@ -5,6 +5,7 @@ import dataclasses
 import errno
 import logging
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -221,6 +222,10 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
         return _run(cfg, tl)
     finally:
         prefetch.close()
+        if "torch" in sys.modules:  # a sharded target's process group (target/sharded.py), if one was joined
+            from ..target.sharded import release_group
+
+            release_group()
 
 
 def _prefetch(cfg: "ExtractConfig", tl: Any) -> Any:

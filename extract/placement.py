@@ -82,7 +82,7 @@ def _shards(local_world: int, world: int) -> list[int]:
 
 
 def decide(asked: int | None, offload: bool, size: TargetSize, *, free: int | None, host_free: int | None,
-           local_world: int, world: int, batch_tokens: int | None, on_gpu: bool) -> Placement:
+           local_world: int, world: int, batch_tokens: int | None, on_gpu: bool, where: str = "--model") -> Placement:
     """Return the Placement of a run: `asked` is --shard-weights (None: auto), `offload` --offload cpu; free is the
     least free memory of the run's GPUs (None: unknown), host_free a node's available host memory.
 
@@ -123,12 +123,12 @@ def decide(asked: int | None, offload: bool, size: TargetSize, *, free: int | No
                              f"{k} GPUs each needs {gb(need)}")
     need = size.embed + 2 * size.layer + act
     if need > usable:
-        raise InputError(f"--model: even streamed from host memory a forward needs {gb(need)} of GPU memory (the "
+        raise InputError(f"{where}: even streamed from host memory a forward needs {gb(need)} of GPU memory (the "
                          f"embedding, two layers of {gb(size.layer)}, a batch's activations) and the GPU has "
                          f"{gb(free)} free; lower --batch-tokens, or free the GPUs")
     k = local_world if world % local_world == 0 else 1
     if host_free is not None and size.params > host_free * HOST_USABLE:  # one copy a node, shared by its ranks
-        raise InputError(f"--model: {what}, more than {world} GPU(s) can hold ({gb(free)} free each) and more than "
+        raise InputError(f"{where}: {what}, more than {world} GPU(s) can hold ({gb(free)} free each) and more than "
                          f"this node's {gb(host_free)} of available host memory; run on more GPUs or nodes (torchrun), "
                          "or lower --layers")
     return Placement(k, True, _batch(batch_tokens, True),
@@ -145,7 +145,7 @@ def placement_of(cfg: Any, size: TargetSize | None, *, free: int | None, host_fr
     if size is None:  # nothing measured: only what was asked can be honoured
         size = TargetSize(0, 0, 0, 0, 0, 0)
     return decide(asked, cfg.offload == "cpu", size, free=free, host_free=host_free, local_world=local_world,
-                  world=world, batch_tokens=cfg.batch_tokens, on_gpu=on_gpu)
+                  world=world, batch_tokens=cfg.batch_tokens, on_gpu=on_gpu, where=f"--model {cfg.model}")
 
 
 def is_sharded(cfg: Any) -> bool:

@@ -19,7 +19,7 @@ import torch
 from .adapter import text_config, text_model
 from .runner import TargetRunner, _accepts, attention_backends
 
-__all__ = ["init_group", "load_sharded", "ShardedRunner", "captured_size", "text_path"]
+__all__ = ["release_group", "init_group", "load_sharded", "ShardedRunner", "captured_size", "text_path"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,14 @@ def init_group(device: torch.device, timeout_s: int) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout)
+
+
+def release_group() -> None:
+    """Leave the process group, if this process joined one (the end of a command: a test's process runs more)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def text_path(model: Any) -> str:

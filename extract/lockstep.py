@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -84,7 +85,8 @@ def collective(what: str, timeout_s: float) -> Iterator[None]:
         if not _lost_peer(e):
             raise
         rank, world = _where()
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        first = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [type(e).__name__])[0])
+        first = first.split(". ")[0][:160]
         raise PeerError(f"rank {rank} of {world}: {what} failed in a collective ({first}): a peer rank stopped "
                         f"(killed, failed, or hung past --collective-timeout {timeout_s:.0f} s); every committed "
                         "shard is intact; rerun the same command to resume") from None

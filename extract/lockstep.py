@@ -31,11 +31,12 @@ def _where() -> tuple[int, int]:
 
 
 class _Watchdog:
-    """Ends the process with one line when a collective has not returned within its deadline: the backend's own
-    timeout raises first where it can (gloo); NCCL's would abort the process with a core dump instead."""
+    """Ends the process with one line when a collective has not returned within --collective-timeout: the process
+    group's own timeout is a minute longer (target.sharded.init_group), since NCCL's aborts the process with a core
+    dump; a peer that is gone is usually reported at once by the backend (gloo: connection reset)."""
 
     def __init__(self, timeout_s: float) -> None:
-        self.deadline_s = timeout_s * 1.1 + 10
+        self.deadline_s = timeout_s
         self._since: float | None = None
         self._what = ""
         self._lock = threading.Lock()

@@ -27,8 +27,8 @@ _ACT_HIDDEN, _ACT_INTERMEDIATE = 8, 3
 
 @dataclass(frozen=True)
 class TargetSize:
-    """The captured part of a target (embedding and decoder layers up to the deepest captured one), in bytes at the
-    compute dtype: all of it, its embedding, its largest layer, and one token's activations."""
+    """A target in bytes at the compute dtype: all its weights as a run loads them, its embedding, its largest layer
+    among those extraction runs, and one token's activations."""
 
     params: int
     embed: int
@@ -95,7 +95,7 @@ def decide(asked: int | None, offload: bool, size: TargetSize, *, free: int | No
         raise ConfigError(f"--shard-weights {asked}: expected a number of ranks that divides the run's {world}; pass "
                           f"one of {', '.join(str(k) for k in range(1, world + 1) if world % k == 0)}, or auto")
     gb = format_bytes
-    what = f"the captured part of the target is {gb(size.params)}"
+    what = f"the target's weights are {gb(size.params)}"
     if asked is not None:
         return Placement(asked, offload, _batch(batch_tokens, asked > 1 or offload), f"asked; {what}")
     if not on_gpu:

@@ -26,13 +26,14 @@ log = logging.getLogger(__name__)
 
 def init_group(device: torch.device, timeout_s: int) -> None:
     """Join the run's process group (torchrun's or dflash's launcher's rendezvous; a store of its own for a world of
-    one), with collectives that give up after timeout_s seconds. CPU tensors go through gloo, CUDA ones NCCL."""
+    one). CPU tensors go through gloo, CUDA ones NCCL. Its collectives give up a minute after timeout_s: before
+    then extract.lockstep's watchdog ends a rank that waited timeout_s with one line (NCCL's own timeout aborts)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=timeout_s + 60)
     if "MASTER_ADDR" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
@@ -61,9 +62,10 @@ def _dtype_bytes(dtype: Any) -> int:
 
 
 def captured_size(model_config: Any, depth: int, captured: int, dtype: str) -> Any:
-    """Return the extract.placement.TargetSize of the first `depth` decoder layers (and the embedding) of the
-    config's causal LM in `dtype`, `captured` of them kept as features, counted on the meta device (no weight is
-    read)."""
+    """Return the extract.placement.TargetSize of the config's causal LM in `dtype` as a run loads it (every
+    parameter: the layers past the first `depth`, which extraction runs, are dropped only after the load), its
+    embedding and largest layer among those run, `captured` layers kept as features; counted on the meta device (no
+    weight is read)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -86,7 +88,8 @@ def captured_size(model_config: Any, depth: int, captured: int, dtype: str) -> A
     experts = int(getattr(cfg, "num_experts_per_tok", None) or 0)
     moe = int(getattr(cfg, "moe_intermediate_size", None) or 0) * experts
     token = size * (_ACT_HIDDEN * hidden + _ACT_INTERMEDIATE * max(inter, moe))
-    return TargetSize(params=embed + sum(layers), embed=embed, layer=max(layers, default=0), token_activation=token,
+    total = sum(p.numel() for p in model.parameters()) * size
+    return TargetSize(params=total, embed=embed, layer=max(layers, default=0), token_activation=token,
                       captured_layers=captured, feature_token=captured * hidden * 2)
 
 

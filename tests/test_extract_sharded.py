@@ -45,7 +45,7 @@ def test_auto_takes_the_fewest_gpus_that_hold_the_weights(params, free, local, w
                on_gpu=True)
     assert (p.shard, p.offload) == want
     assert p.batch_tokens == (SHARDED_BATCH_TOKENS if p.sharded else 32768)
-    assert p.reason.startswith("auto: the captured part of the target is") and p.line().startswith("weights: ")
+    assert p.reason.startswith("auto: the target's weights are") and p.line().startswith("weights: ")
 
 
 def test_asked_placements_and_refusals():
@@ -244,3 +244,31 @@ def test_a_rank_killed_ends_its_peer_with_one_line_and_the_same_command_resumes(
     assert said[0].startswith(("dflash: error: rank 0 of 2", "dflash: interrupted")), said
     _finish(torchrun(2, argv))  # the same command again resumes and completes
     _assert_same(store_samples(cfg.out), references["llama", "long"])
+
+
+@pytest.mark.slow
+def test_spawned_workers_of_one_command_share_one_copy(targets, data, references, tmp_path, monkeypatch):
+    # `--gpus 0,1` without a launcher: the command spawns one worker per device, here two CPU "devices", as one
+    # process group (dflash's launcher with torchrun's environment).
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash.conversations import read_rows
+    from dflash.extract.header import build_header
+    from dflash.extract.orchestrate import _run_spawned
+    from dflash.extract.plan import make_plan, scan_rows
+    from dflash.extract.progress import Progress
+    from dflash.extract.template import load_template
+    from dflash.extract.worker import WorkerSpec
+    from dflash.storage import Store
+
+    cfg = extract_config(targets["gpt_oss"], data, tmp_path / "store", shard_size=2, shard_weights="2")
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    rows = read_rows(cfg.data)
+    scan = scan_rows(rows, cfg.max_length)
+    header = build_header(cfg, AutoConfig.from_pretrained(cfg.model), tok, load_template(tok, None), scan)
+    store = Store.create_or_open(cfg.out, header)
+    plan = make_plan(header, rows, scan, (), cfg.out, ["cpu", "cpu"])
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned interpreters
+    results = _run_spawned(cfg, [WorkerSpec("cpu", i, store.header) for i in range(2)], plan, Progress(10, show=False))
+    assert sum(r["shards"] for r in results) == store.num_shards
+    _assert_same(store_samples(cfg.out), references["gpt_oss", "short"])

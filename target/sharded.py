@@ -105,6 +105,24 @@ def _plan(model: Any, path: str) -> dict[str, str]:
     return plan
 
 
+def _distributed_config() -> Any:
+    """Return transformers' DistributedConfig, which loads a model sharded by FSDP2; InputError naming the version
+    to install when this transformers has none."""
+    import transformers
+
+    from ..errors import InputError
+
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        DistributedConfig = None
+    if DistributedConfig is None or "fsdp_plan" not in getattr(DistributedConfig, "__dataclass_fields__", {}):
+        raise InputError(f"--shard-weights / --offload cpu: expected a transformers that loads a model sharded by "
+                         f"FSDP2 (DistributedConfig with fsdp_plan), found transformers {transformers.__version__}; "
+                         "pip install 'transformers>=5.25'")
+    return DistributedConfig
+
+
 def _fully_shard_world_of_one(model: Any, path: str, device: torch.device, offload: bool) -> None:
     """Shard a loaded model over a world of one as the plan says (in pinned host memory on CUDA with offload)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -137,10 +155,10 @@ def load_sharded(model_dir: str | os.PathLike, device: torch.device, dtype: str,
     every rank reads only its part of each tensor. init_group() first."""
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
 
     from .adapter import attention_for
 
+    DistributedConfig = _distributed_config()
     world = dist.get_world_size()
     config = AutoConfig.from_pretrained(os.fspath(model_dir))
     with torch.device("meta"):
@@ -159,9 +177,9 @@ def load_sharded(model_dir: str | os.PathLike, device: torch.device, dtype: str,
         _fully_shard_world_of_one(model, path, device, offload)
     model.eval()
     text = model.get_submodule(path)
-    log.info("target %s: %d decoder layers sharded over %d of %d rank(s)%s; this rank holds %.2f GB of weights",
+    log.info("target %s: %d decoder layers sharded over %d of %d rank(s)%s; this rank holds %d bytes of weights",
              model_dir, len(text.layers), shard, world,
-             " in pinned host memory" if offload and device.type == "cuda" else "", bytes_of(model) / 1e9)
+             " in pinned host memory" if offload and device.type == "cuda" else "", bytes_of(model))
     return model
 
 

@@ -5,6 +5,7 @@ the same command resumes; two "nodes" of two ranks share one --out."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -124,8 +125,8 @@ def _assert_same(got: dict, want: dict) -> None:
         assert np.array_equal(got[row][2], bits), f"row {row}: features differ from the unsharded store"
 
 
-def _argv(cfg, *extra: str) -> list[str]:
-    argv = ["--log-level", "warning", "extract", "--model", cfg.model, "--out", cfg.out, "--gpus", "cpu"]
+def _argv(cfg, *extra: str, level: str = "warning") -> list[str]:
+    argv = ["--log-level", level, "extract", "--model", cfg.model, "--out", cfg.out, "--gpus", "cpu"]
     for d in cfg.data:
         argv += ["--data", d]
     for opt in ("shard_size", "batch_tokens", "max_length", "min_loss_tokens", "dtype"):
@@ -178,9 +179,16 @@ def test_world_of_one_with_host_offload_equals_a_whole_copy(arch, targets, data,
 
 def test_two_ranks_sharing_one_copy_equal_a_whole_copy(targets, data, references, tmp_path):
     # 5 shards over 2 ranks: uneven rows, so one rank steps with empty forwards while the other finishes.
+    from safetensors import safe_open
+
     cfg = extract_config(targets["llama"], data, tmp_path / "store", shard_size=2)
-    _finish(torchrun(2, _argv(cfg, "--shard-weights", "2")))
+    err = _finish(torchrun(2, _argv(cfg, "--shard-weights", "2", level="info")))
     _assert_same(store_samples(cfg.out), references["llama", "short"])
+    # Each rank holds its half of the weights, never the whole: together exactly one copy.
+    with safe_open(str(targets["llama"] / "model.safetensors"), "pt") as f:
+        total = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()) * 4  # fp32
+    held = [int(b) for b in re.findall(r"this rank holds (\d+) bytes of weights", err)]
+    assert len(held) == 2 and sum(held) == total and max(held) < 0.6 * total, (held, total)
 
 
 @pytest.mark.slow

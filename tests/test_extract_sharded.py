@@ -280,3 +280,34 @@ def test_spawned_workers_of_one_command_share_one_copy(targets, data, references
     results = _run_spawned(cfg, [WorkerSpec("cpu", i, store.header) for i in range(2)], plan, Progress(10, show=False))
     assert sum(r["shards"] for r in results) == store.num_shards
     _assert_same(store_samples(cfg.out), references["gpt_oss", "short"])
+
+
+@pytest.mark.slow
+def test_dry_run_under_torchrun_measures_sharded_on_every_rank(targets, data, tmp_path):
+    cfg = extract_config(targets["llama"], data, tmp_path / "store", shard_size=2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "dflash.cli",
+           *_argv(cfg, "--shard-weights", "2", "--dry-run")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_ENV, timeout=600)  # a guard against a hang
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.strip().startswith("weights: ")]
+    assert len(lines) == 2 and all("sharded over 2 rank(s), batches of 1,024 tokens (asked" in x for x in lines)
+    assert not Path(cfg.out).exists(), "a dry run writes nothing"
+
+
+@pytest.mark.gpu
+def test_host_offload_on_a_gpu_equals_the_resident_target(targets, data, tmp_path):
+    # The path the CPU cannot take: CPUOffloadPolicy's pinned host shards, copied in layer by layer.
+    import torch
+
+    want = extract_config(targets["qwen3_moe"], data, tmp_path / "resident", shard_size=2, gpus="0")
+    got = extract_config(targets["qwen3_moe"], data, tmp_path / "offloaded", shard_size=2, gpus="0",
+                         shard_weights="1", offload="cpu")
+    run(want)
+    run(got)
+    a, b = store_samples(want.out), store_samples(got.out)
+    assert sorted(a) == sorted(b)
+    for row, (ids, mask, bits) in a.items():
+        assert np.array_equal(b[row][0], ids) and np.array_equal(b[row][1], mask)
+        x = torch.from_numpy(bits.astype(np.int16)).view(torch.bfloat16).float()
+        y = torch.from_numpy(b[row][2].astype(np.int16)).view(torch.bfloat16).float()
+        assert (x - y).abs().max() <= 1e-2 * x.abs().max(), f"row {row}: offloaded features differ"

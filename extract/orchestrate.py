@@ -176,8 +176,8 @@ def _load_beside(cfg: "ExtractConfig", devices: list[str], complete: bool) -> bo
 def _placement(cfg: "ExtractConfig", model_config: Any, devices: list[str], depth: int | None) -> Any:
     """Return the run's placement.Placement (where the weights live, the batch size), logged on rank 0.
 
-    auto needs the captured part's size, the GPUs' free memory (the least of the run's: every rank agrees) and the
-    host's; each is read only where the decision needs it.
+    auto needs the target's size (counted on the meta device), the GPUs' free memory (the least of the run's: every
+    rank agrees) and the host's; each is read only where the decision needs it.
     """
     import torch
 

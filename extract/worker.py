@@ -240,9 +240,10 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
     try:
         result = fill_shards(store, samples_for, pipeline, report, spec,
                              writer_threads=cfg.writer_threads or spec.writer_threads, timeline=tl)
-        if hasattr(pipeline, "runner"):  # sharded: step with the peers until none has rows left
+        lockstep = getattr(pipeline, "runner", None)  # extract.lockstep.Lockstep when sharded and loaded
+        if hasattr(lockstep, "finish"):  # step with the peers until none has rows left
             with tl.stage("lockstep"):
-                result["empty_forwards"] = pipeline.runner.finish()
+                result["empty_forwards"] = lockstep.finish()
     except BaseException as e:
         if _disk_full(e):
             raise StoreError(

@@ -343,7 +343,10 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
         raise StoreError(f"--out {cfg.out}: cannot write the store there ({e.strerror}); pass a writable --out, "
                          "or make this one writable and rerun the same command") from None
     tl.add("store", time.perf_counter() - store_t0)
-    progress = Progress(plan.rows_of(plan.left(committed)), show=rank == 0)
+    world = ranks_from_env().world
+    before = set(committed)
+    run_rows = (lambda: plan.rows_of(set(store.committed_ids()) - before)) if world > 1 else None
+    progress = Progress(plan.rows_of(plan.left(committed)), show=rank == 0, run_rows=run_rows, world=world)
     base = 0 if local_rank is None else rank
     threads = cfg.writer_threads or auto_writer_threads(len(devices))
     specs = [WorkerSpec(device=d, index=base + i, header=store.header, writer_threads=threads)

@@ -311,3 +311,17 @@ def test_host_offload_on_a_gpu_equals_the_resident_target(targets, data, tmp_pat
         x = torch.from_numpy(bits.astype(np.int16)).view(torch.bfloat16).float()
         y = torch.from_numpy(b[row][2].astype(np.int16)).view(torch.bfloat16).float()
         assert (x - y).abs().max() <= 1e-2 * x.abs().max(), f"row {row}: offloaded features differ"
+
+
+def test_a_launched_rank_shows_the_whole_run_from_the_store():
+    # Under torchrun rank 0 sees only its own events: the progress it shows counts every rank's committed rows.
+    from dflash.extract.progress import Progress
+
+    committed = [0]
+    p = Progress(100, show=True, run_rows=lambda: committed[0], world=4)
+    p.update({"kind": "batch", "samples": 3, "tokens": 30})
+    assert p.display.done == 0
+    committed[0] = 40  # peers committed shards
+    p.update({"kind": "shard", "bytes": 10})
+    assert p.display.done == 40 and p.rows == 3
+    p.close()

@@ -162,7 +162,7 @@ def _finish(p: subprocess.Popen) -> str:
     return err
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_world_of_one_with_host_offload_equals_a_whole_copy(arch, targets, data, references, tmp_path, capsys):
     # One rank, its layers under FSDP2 (on a CPU the shards are in host memory already): the same store.
     cfg = extract_config(targets[arch], data, tmp_path / "store", shard_size=2, shard_weights="1", offload="cpu")

@@ -184,7 +184,7 @@ def _placement(cfg: "ExtractConfig", model_config: Any, devices: list[str], dept
     from ..config.options import parse_shard_weights
     from ..target.load import _mem_available
     from ..target.sharded import captured_size, init_group
-    from .placement import placement_of
+    from .placement import placement_of, target_size
 
     ranks = ranks_from_env()
     launched = ranks.world > 1
@@ -195,7 +195,7 @@ def _placement(cfg: "ExtractConfig", model_config: Any, devices: list[str], dept
     size = free = None
     if depth is not None and (on_gpu or not auto):
         captured = len(cfg.layers) if cfg.layers else 5
-        size = captured_size(model_config, depth, captured, cfg.dtype)
+        size = target_size(captured_size(model_config, depth, cfg.dtype), captured)
     if on_gpu and auto and cfg.offload == "none":
         free = min(torch.cuda.mem_get_info(torch.device(d))[0] for d in devices)
         if launched:  # every rank must take the same decision: the least free memory of the run decides

@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import ConfigError, InputError
 from .plan import format_bytes
 
-__all__ = ["is_sharded", "RESIDENT_BATCH_TOKENS", "SHARDED_BATCH_TOKENS", "GPU_USABLE", "HOST_USABLE", "Placement", "TargetSize",
+__all__ = ["is_sharded", "target_size", "RESIDENT_BATCH_TOKENS", "SHARDED_BATCH_TOKENS", "GPU_USABLE", "HOST_USABLE", "Placement", "TargetSize",
            "activation_bytes", "decide", "placement_of"]
 
 # The batch of a target whose weights stay on the GPU, and of one whose weights are streamed in layer by layer:
@@ -36,6 +36,13 @@ class TargetSize:
     token_activation: int
     captured_layers: int
     feature_token: int  # bytes of one token's features as the pipeline keeps them (bf16)
+
+
+def target_size(counts: dict[str, int], captured: int) -> TargetSize:
+    """Return the TargetSize of target.sharded.captured_size's counts, `captured` layers kept as features."""
+    token = counts["dtype_bytes"] * (_ACT_HIDDEN * counts["hidden"] + _ACT_INTERMEDIATE * counts["width"])
+    return TargetSize(params=counts["params"], embed=counts["embed"], layer=counts["layer"], token_activation=token,
+                      captured_layers=captured, feature_token=captured * counts["hidden"] * 2)
 
 
 def activation_bytes(size: TargetSize, batch_tokens: int) -> int:

@@ -61,15 +61,13 @@ def _dtype_bytes(dtype: Any) -> int:
     return torch.empty((), dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype).element_size()
 
 
-def captured_size(model_config: Any, depth: int, captured: int, dtype: str) -> Any:
-    """Return the extract.placement.TargetSize of the config's causal LM in `dtype` as a run loads it (every
-    parameter: the layers past the first `depth`, which extraction runs, are dropped only after the load), its
-    embedding and largest layer among those run, `captured` layers kept as features; counted on the meta device (no
-    weight is read)."""
+def captured_size(model_config: Any, depth: int, dtype: str) -> dict[str, int]:
+    """Return the sizes the placement of a target is decided from, counted on the meta device (no weight is read):
+    its weights in `dtype` as a run loads them (every parameter: the layers past the first `depth`, which
+    extraction runs, are dropped only after the load), its embedding and largest run layer in bytes, its hidden
+    width, its MLP width (for MoE: the experts a token takes, together) and the dtype's bytes."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from ..extract.placement import _ACT_HIDDEN, _ACT_INTERMEDIATE, TargetSize
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -80,17 +78,14 @@ def captured_size(model_config: Any, depth: int, captured: int, dtype: str) -> A
         hf_logging.set_verbosity(verbosity)
     text = text_model(model)
     size = _dtype_bytes(dtype)
-    layers = [sum(p.numel() for p in layer.parameters()) * size for layer in text.layers[:depth]]
-    embed = sum(p.numel() for p in text.embed_tokens.parameters()) * size
     cfg = text_config(model_config)
-    hidden = int(cfg.hidden_size)
     inter = int(getattr(cfg, "intermediate_size", None) or 0)
-    experts = int(getattr(cfg, "num_experts_per_tok", None) or 0)
-    moe = int(getattr(cfg, "moe_intermediate_size", None) or 0) * experts
-    token = size * (_ACT_HIDDEN * hidden + _ACT_INTERMEDIATE * max(inter, moe))
-    total = sum(p.numel() for p in model.parameters()) * size
-    return TargetSize(params=total, embed=embed, layer=max(layers, default=0), token_activation=token,
-                      captured_layers=captured, feature_token=captured * hidden * 2)
+    moe = int(getattr(cfg, "moe_intermediate_size", None) or 0) * int(getattr(cfg, "num_experts_per_tok", None) or 0)
+    return {"params": sum(p.numel() for p in model.parameters()) * size,
+            "embed": sum(p.numel() for p in text.embed_tokens.parameters()) * size,
+            "layer": max((sum(p.numel() for p in layer.parameters()) * size for layer in text.layers[:depth]),
+                         default=0),
+            "hidden": int(cfg.hidden_size), "width": max(inter, moe), "dtype_bytes": size}
 
 
 def _plan(model: Any, path: str) -> dict[str, str]:

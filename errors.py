@@ -11,6 +11,7 @@ __all__ = [
     "AssetError",
     "ServerError",
     "ResourceError",
+    "PeerError",
 ]
 
 
@@ -53,3 +54,7 @@ class ServerError(DflashError):
 
 class ResourceError(DflashError):
     """Work that does not fit the machine (a row too long for the device's memory), with the options that help."""
+
+
+class PeerError(DflashError):
+    """A rank of a sharded target lost its peers in a collective (one killed, hung, or failed first)."""

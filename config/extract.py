@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import StageConfig
-from .options import CODECS, DTYPE_CHOICES, check, check_model_dir, option, parse_gpus
+from .options import (CODECS, DTYPE_CHOICES, OFFLOADS, check, check_model_dir, option, parse_gpus,
+                      parse_shard_weights)
 
 __all__ = ["ExtractConfig"]
 
@@ -28,7 +29,10 @@ class ExtractConfig(StageConfig):
     max_length: int = option(4096, help="Tokens per conversation; longer ones are cut (and counted).")
     min_loss_tokens: int = option(32, help="Drop conversations with fewer assistant (loss) tokens than this.")
     shard_size: int | None = option(None, help="Source rows per shard [default: sized to ~2 GB of features].")
-    batch_tokens: int = option(32768, help="Tokens per target forward batch, padding included (>= --max-length).")
+    batch_tokens: int | None = option(
+        None, help="Tokens per target forward batch, padding included (>= --max-length) [default: 32768; 65536 when "
+                   "the target's weights are sharded or offloaded, so that streaming them is small against the "
+                   "forward].")
     codec: str = option("blosc", choices=CODECS,
                         help="Feature encoding: blosc (lossless, ~0.69x raw bf16), none (raw), fp8 (lossy, ~0.43x).")
     chat_template: str | None = option(None, help="Jinja chat template file to use instead of the tokenizer's.")
@@ -47,6 +51,20 @@ class ExtractConfig(StageConfig):
     writer_threads: int | None = option(
         None, help="Threads per worker that compress and write chunks [default: this machine's CPUs shared among "
                    "its workers, 2-16].")
+    shard_weights: str = option(
+        "auto", metavar="auto|K",
+        help="GPUs that share one copy of the target's weights (FSDP2, each holding 1/K, every GPU still forwarding "
+             "its own rows): 1 keeps a whole copy on every GPU (today's path); auto keeps it when the captured "
+             "layers fit one GPU beside a batch, else picks the fewest GPUs of a node (then of the run) that hold "
+             "them, else --offload cpu. K must divide the number of ranks. The log and --dry-run say what was "
+             "chosen and why.")
+    offload: str = option(
+        "none", choices=OFFLOADS,
+        help="cpu: the weight shards live in pinned host memory and are copied in layer by layer (one GPU can run a "
+             "target larger than itself; a node's host memory holds one copy in all); none: they stay on the GPUs.")
+    collective_timeout: int = option(
+        600, help="Seconds a rank of a sharded target waits in a collective before it gives up (a peer killed or "
+                  "hung): every rank then ends with one line, and rerunning the same command resumes.")
     dry_run: bool = option(False, help="Print the plan (samples, tokens, drops, projected store size, free space, "
                                        "times) and exit without writing.")
     force: bool = option(False, help="Start even when the projected store is larger than the free space.")
@@ -64,7 +82,7 @@ class ExtractConfig(StageConfig):
         check(self.min_loss_tokens >= 0, f"--min-loss-tokens must be >= 0, got {self.min_loss_tokens}")
         check(self.shard_size is None or self.shard_size >= 1, f"--shard-size must be >= 1, got {self.shard_size}")
         check(
-            self.batch_tokens >= self.max_length,
+            self.batch_tokens is None or self.batch_tokens >= self.max_length,
             f"--batch-tokens ({self.batch_tokens}) must be >= --max-length ({self.max_length}) so every sample fits",
         )
         check(self.codec in CODECS, f"--codec {self.codec!r} is not one of {', '.join(CODECS)}")
@@ -72,5 +90,8 @@ class ExtractConfig(StageConfig):
         check(self.mask_token_id is None or self.mask_token_id >= 0, "--mask-token-id must be >= 0")
         check(self.writer_threads is None or self.writer_threads >= 1,
                f"--writer-threads must be >= 1, got {self.writer_threads}")
+        parse_shard_weights(self.shard_weights)
+        check(self.offload in OFFLOADS, f"--offload {self.offload!r} is not one of {', '.join(OFFLOADS)}")
+        check(self.collective_timeout >= 1, f"--collective-timeout must be >= 1, got {self.collective_timeout}")
         if self.layers is not None:
             check(len(self.layers) >= 1, "--layers is empty; pass auto or e.g. 1,9,17,25,33")

@@ -9,12 +9,13 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["CODECS", "DRAFTERS", "DTYPES", "DTYPE_CHOICES", "GENERATE_ENGINES", "POSITION_WEIGHTS", "DPACE_ALPHA",
+__all__ = ["CODECS", "OFFLOADS", "parse_shard_weights", "DRAFTERS", "DTYPES", "DTYPE_CHOICES", "GENERATE_ENGINES", "POSITION_WEIGHTS", "DPACE_ALPHA",
            "LEGACY_DEFAULTS", "option", "parse_layers", "parse_shard_ids", "parse_json_object", "parse_sampling_mix",
            "parse_budgets", "parse_val_fraction", "parse_gpus", "resolve_devices", "position_weights_option",
            "drafter_option", "tree_tau_nodes_option", "check", "check_budgets", "check_model_dir", "flag_name"]
 
 CODECS = ("blosc", "none", "fp8")
+OFFLOADS = ("none", "cpu")
 DRAFTERS = ("dflash", "dflash2")
 DTYPES = ("bfloat16", "float32")
 DTYPE_CHOICES = ("auto",) + DTYPES  # auto: target/numerics.py decides (bf16 on CUDA and on CPUs with native bf16)
@@ -138,6 +139,24 @@ def parse_val_fraction(value: Any) -> float | None:
         return float(value)
     except ValueError:
         raise ConfigError(f"--val-fraction {value!r}: expected auto or a fraction like 0.05") from None
+
+
+def parse_shard_weights(value: Any) -> int | None:
+    """Return the GPUs sharing one copy of the weights of a `--shard-weights` value ("auto" -> None, "4" -> 4; "off"
+    is 1)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    if text == "off":
+        return 1
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ConfigError(f"--shard-weights {value!r}: expected auto or a number of GPUs >= 1 (1 keeps a whole copy "
+                          "on every GPU)")
+    return k
 
 
 def parse_gpus(spec: str) -> list[int] | None:

@@ -68,6 +68,12 @@ FIXES: dict[str, tuple[str, str]] = {
         "Pass the smaller sizes the message names (`--max-length`, `--batch-tokens`, `--anchors`) or more or larger "
         "GPUs, and rerun the same command: committed shards and checkpoints are kept.",
     ),
+    "PeerError": (
+        "A rank of a weight-sharded extraction (`--shard-weights`, `--offload`) lost its peers in a collective: one "
+        "was killed, hung past `--collective-timeout`, or failed first (its own line says why).",
+        "Fix what the first failing rank reports and rerun the same command (on every node): committed shards are "
+        "kept and the uncommitted ones are redone.",
+    ),
     "ServerError": (
         "A serving endpoint of `dflash generate --server` that cannot be reached, does not serve the model asked "
         "for, or refuses the request.",

@@ -125,6 +125,9 @@ def _measure(cfg: Any, header: dict[str, Any], samples: list[Any], device: str) 
     _, pipeline = open_pipeline(cfg, header, device)
     sink = _Keep()
     stats = pipeline.run(samples, sink)
+    finish = getattr(pipeline.runner, "finish", None)
+    if finish is not None:  # a sharded target: step with the peers until they have measured too
+        finish()
     del pipeline
     if device.startswith("cuda"):  # the workers need this device's memory next
         import torch

@@ -1,8 +1,11 @@
 """Orchestration of `dflash extract`: header and store, one worker per device, progress, completion, summary."""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
+import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -79,8 +82,12 @@ def _run_spawned(cfg: "ExtractConfig", specs: list[Any], plan: Any, progress: An
 
     A failed worker leaves the others to finish (and commit) their shards; a rerun redoes the rest.
     """
+    from .placement import is_sharded
+
+    # Workers sharing a sharded target are one process group, in lockstep: one that fails ends the others.
+    sharded = is_sharded(cfg)
     return launch(_worker_main, [(cfg.to_dict(), spec, plan) for spec in specs], what="extract worker",
-                  on_event=progress.update, stop_all_on_error=False)
+                  on_event=progress.update, stop_all_on_error=sharded, dist_env=sharded)
 
 
 def _plan(cfg: "ExtractConfig", header: dict[str, Any], rows: Any, scan: Any, devices: list[str]) -> Any:
@@ -96,15 +103,26 @@ def _plan(cfg: "ExtractConfig", header: dict[str, Any], rows: Any, scan: Any, de
     return make_plan(header, rows, scan, committed, cfg.out, devices)
 
 
-def _dry_run(cfg: "ExtractConfig", header: dict[str, Any], plan: Any, tokenizer: Any, template: str) -> dict[str, Any]:
-    """Print the plan measured (extract/dry_run.py) and return it as `dflash extract --dry-run`'s result."""
+def _dry_run(cfg: "ExtractConfig", header: dict[str, Any], plan: Any, tokenizer: Any, template: str,
+             placement: Any, devices: int) -> dict[str, Any]:
+    """Print the plan measured (extract/dry_run.py) and return it as `dflash extract --dry-run`'s result.
+
+    Sharded over the devices of this one process (no launcher: they would be spawned), the measurement runs on one
+    device with the weights streamed from host memory, and says so; under torchrun every rank measures sharded.
+    """
     from .dry_run import format_plan, measure
     from .template import ChatEncoder
 
+    note = ""
+    if placement.sharded and devices > 1:
+        cfg = dataclasses.replace(cfg, shard_weights="1", offload="cpu")
+        note = " (measured on one device, weights streamed from host memory)"
     encoder = ChatEncoder(tokenizer, template, cfg.max_length, cfg.chat_template_kwargs)
     dry = measure(cfg, header, plan, encoder)
-    click.echo(format_plan(dry, cfg.out, cfg.codec))
-    return {"plan": dry.to_dict()}
+    click.echo(format_plan(dry, cfg.out, cfg.codec) + f"\n  {placement.line()}{note}")
+    return {"plan": {**dry.to_dict(), "placement": {"shard": placement.shard, "offload": placement.offload,
+                                                    "batch_tokens": placement.batch_tokens,
+                                                    "reason": placement.reason}}}
 
 
 def _timed_imports(tl: Any) -> None:
@@ -150,7 +168,48 @@ def _load_beside(cfg: "ExtractConfig", devices: list[str], complete: bool) -> bo
     (a second or so; header, plan and store were made by this process before it spawned),
     and all workers loading at once share the disk, so the load is the critical path either way.
     """
-    return len(devices) == 1 and not cfg.dry_run and not complete
+    from .placement import is_sharded
+
+    return len(devices) == 1 and not cfg.dry_run and not complete and not is_sharded(cfg)
+
+
+def _placement(cfg: "ExtractConfig", model_config: Any, devices: list[str], depth: int | None) -> Any:
+    """Return the run's placement.Placement (where the weights live, the batch size), logged on rank 0.
+
+    auto needs the target's size (counted on the meta device), the GPUs' free memory (the least of the run's: every
+    rank agrees) and the host's; each is read only where the decision needs it.
+    """
+    import torch
+
+    from ..config.options import parse_shard_weights
+    from ..target.load import _mem_available
+    from ..target.sharded import captured_size, init_group
+    from .placement import placement_of, target_size
+
+    ranks = ranks_from_env()
+    launched = ranks.world > 1
+    world = ranks.world if launched else len(devices)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or (len(devices) if not launched else 1)
+    on_gpu = devices[0].startswith("cuda")
+    auto = parse_shard_weights(cfg.shard_weights) is None
+    size = free = None
+    if depth is not None and (on_gpu or not auto):
+        captured = len(cfg.layers) if cfg.layers else 5
+        size = target_size(captured_size(model_config, depth, cfg.dtype), captured)
+    if on_gpu and auto and cfg.offload == "none":
+        free = min(torch.cuda.mem_get_info(torch.device(d))[0] for d in devices)
+        if launched:  # every rank must take the same decision: the least free memory of the run decides
+            import torch.distributed as dist
+
+            init_group(torch.device(devices[0]), cfg.collective_timeout)
+            least = torch.tensor([free], dtype=torch.int64)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+            free = int(least.item())
+    placement = placement_of(cfg, size, free=free, host_free=_mem_available(), local_world=local_world,
+                             world=world, on_gpu=on_gpu)
+    if ranks.rank == 0:
+        log.info("%s", placement.line())
+    return placement
 
 
 def run(cfg: "ExtractConfig") -> dict[str, Any]:
@@ -163,6 +222,10 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
         return _run(cfg, tl)
     finally:
         prefetch.close()
+        if "torch" in sys.modules:  # a sharded target's process group (target/sharded.py), if one was joined
+            from ..target.sharded import release_group
+
+            release_group()
 
 
 def _prefetch(cfg: "ExtractConfig", tl: Any) -> Any:
@@ -189,6 +252,10 @@ def _run(cfg: "ExtractConfig", tl: Any) -> dict[str, Any]:
         stored, complete = _stored(cfg.out)
         cfg = _resolve_dtype(cfg, devices[0], stored)
     depth = captured_depth(cfg.layers, model_config)
+    with tl.stage("model_config"):
+        placement = _placement(cfg, model_config, devices, depth)
+    cfg = dataclasses.replace(cfg, shard_weights=str(placement.shard), offload="cpu" if placement.offload else "none",
+                              batch_tokens=placement.batch_tokens)
     loader = None
     if _load_beside(cfg, devices, complete):
         loader = BackgroundLoad(cfg.model, model_config, devices[0], cfg.dtype, tl, depth).start()
@@ -196,7 +263,8 @@ def _run(cfg: "ExtractConfig", tl: Any) -> dict[str, Any]:
         with tl.stage("model_config"):
             check_architecture(model_config, cfg.model, depth)
     try:
-        summary = _extract(cfg, tl, model_config, tokenizer, devices, stored, ranks.rank, local_rank, loader)
+        summary = _extract(cfg, tl, model_config, tokenizer, devices, stored, ranks.rank, local_rank, loader,
+                           placement)
     except Exception:
         if loader is not None:
             loader.close(wait=True)  # a refusal: no model keeps loading once run() has returned
@@ -211,7 +279,8 @@ def _run(cfg: "ExtractConfig", tl: Any) -> dict[str, Any]:
 
 
 def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, devices: list[str],
-             stored: dict[str, Any] | None, rank: int, local_rank: int | None, loader: Any) -> dict[str, Any]:
+             stored: dict[str, Any] | None, rank: int, local_rank: int | None, loader: Any,
+             placement: Any) -> dict[str, Any]:
     """Return the run summary (run()'s, once the device, the dtype and the model's files are known)."""
     from ..errors import DflashError
     from ..storage import Store
@@ -239,7 +308,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
         buffers = host_buffers(cfg, header, devices[0]) if loader is not None else None
         plan = _plan(cfg, header, rows, scan, devices)
         if cfg.dry_run:
-            return _dry_run(cfg, header, plan, tokenizer, template)
+            return _dry_run(cfg, header, plan, tokenizer, template, placement, len(devices))
         if not cfg.force:  # an estimate: no second model load, no extra tokenising pass (--dry-run measures)
             plan.check_fits(cfg.out)
         tl.add("plan", time.perf_counter() - plan_t0)
@@ -274,7 +343,10 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
         raise StoreError(f"--out {cfg.out}: cannot write the store there ({e.strerror}); pass a writable --out, "
                          "or make this one writable and rerun the same command") from None
     tl.add("store", time.perf_counter() - store_t0)
-    progress = Progress(plan.rows_of(plan.left(committed)), show=rank == 0)
+    world = ranks_from_env().world
+    before = set(committed)
+    run_rows = (lambda: plan.rows_of(set(store.committed_ids()) - before)) if world > 1 else None
+    progress = Progress(plan.rows_of(plan.left(committed)), show=rank == 0, run_rows=run_rows, world=world)
     base = 0 if local_rank is None else rank
     threads = cfg.writer_threads or auto_writer_threads(len(devices))
     specs = [WorkerSpec(device=d, index=base + i, header=store.header, writer_threads=threads)

@@ -292,7 +292,8 @@ class FeaturePipeline:
             raise ResourceError(
                 f"row {part[0].row} of --data ({len(part[0].input_ids):,} tokens) does not fit in memory for the "
                 f"target's forward on its own ({free_memory(self.device)}; {type(error).__name__}); rerun with a "
-                f"smaller --max-length (longer rows are cut) and --batch-tokens, or on more or larger GPUs (--gpus)"
+                f"smaller --max-length (longer rows are cut) and --batch-tokens, or leave more memory to activations: "
+                f"the weights sharded over more GPUs or held in host memory (--gpus, --shard-weights, --offload cpu)"
             ) from None
         self._fits = ids.numel() // 2
         if not self._oom_logged:

@@ -17,10 +17,13 @@ _LOG_EVERY_S = 10.0
 class Progress:
     """Counts rows, tokens and bytes as workers report them, shown with rate and ETA (see runtime.Progress)."""
 
-    def __init__(self, total_rows: int, *, show: bool = True) -> None:
+    def __init__(self, total_rows: int, *, show: bool = True, run_rows: Any = None, world: int = 1) -> None:
         self.total_rows = total_rows
         self.rows = self.samples = self.tokens = self.bytes = self.shards = 0
         self.t0 = time.perf_counter()
+        # run_rows(): the rows of the shards every rank has committed since the start, for a rank that shows the
+        # progress of a launched run (its own events are 1/world of it): read from the store at most every 5 s.
+        self.run_rows, self.world, self._counted = run_rows, world, -1e9
         self.display = Display(total_rows, unit="row", desc="extract", show=show, every_s=_LOG_EVERY_S, logger=log)
 
     def update(self, event: dict[str, Any]) -> None:
@@ -37,9 +40,15 @@ class Progress:
             self.shards += 1
             self.bytes += int(event.get("bytes", 0))
         self.rows += rows
-        elapsed = max(1e-9, time.perf_counter() - self.t0)
-        self.display.update(rows, detail=f"{self.shards} shards, {self.tokens / elapsed:,.0f} tok/s, "
-                                         f"{self.samples / elapsed:,.1f} samples/s, {self.bytes / 1e9:.2f} GB written")
+        now = time.perf_counter()
+        elapsed = max(1e-9, now - self.t0)
+        detail = (f"{self.shards} shards, {self.tokens / elapsed:,.0f} tok/s, {self.samples / elapsed:,.1f} samples/s, "
+                  f"{self.bytes / 1e9:.2f} GB written")
+        if self.run_rows is None or not self.display.show:
+            self.display.update(rows, detail=detail)
+        elif now - self._counted >= 5.0 or kind == "shard":
+            self._counted = now
+            self.display.update(to=self.run_rows(), detail=f"{self.world} ranks; this one: {detail}")
 
     def close(self) -> None:
         """Close the display."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import InputError, StoreError
 from ..conversations import BadRowLog, Row
+from .placement import is_sharded
 from .plan import claim_order
 
 if TYPE_CHECKING:
@@ -131,6 +132,21 @@ def feature_runner(cfg: "ExtractConfig", header: dict[str, Any], model: Any) -> 
     return TargetRunner(model, header["layer_ids"], check_length=cfg.max_length)
 
 
+def sharded_runner(cfg: "ExtractConfig", header: dict[str, Any], device: Any) -> Any:
+    """Return the lockstep runner of the target sharded as cfg says (--shard-weights, --offload), loaded (each rank
+    reading its part of each tensor) and checked against its own full forward on every rank."""
+    from ..config.options import parse_shard_weights
+    from ..target.sharded import ShardedRunner, init_group, load_sharded
+    from .lockstep import Lockstep, collective
+
+    init_group(device, cfg.collective_timeout)
+    with collective("loading the sharded target", cfg.collective_timeout):
+        model = load_sharded(cfg.model, device, cfg.dtype, parse_shard_weights(cfg.shard_weights) or 1,
+                             cfg.offload == "cpu")
+        runner = ShardedRunner(model, header["layer_ids"], device, check_length=cfg.max_length)
+    return Lockstep(runner, cfg.collective_timeout)
+
+
 def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, pad_id: int,
                      on_batch: Callable[[int, int], None] | None = None, timeline: Any = None,
                      runner: Any = None, buffers: Any = None) -> Any:
@@ -155,6 +171,9 @@ def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, 
     profile = bool(getattr(cfg, "profile", None))
     if buffers is None:
         buffers = host_buffers(cfg, header, device)
+    if runner is None and is_sharded(cfg):
+        with stage("model_load"):  # the load, the self-check and its collectives
+            runner = sharded_runner(cfg, header, dev)
     if runner is None:
         with stage("model_load"):
             model = load_for_features(cfg.model, dev, getattr(torch, cfg.dtype))
@@ -215,9 +234,16 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
         report({"kind": "dropped", "worker": spec.index, "samples": stop - start - len(samples)})
         return samples, {"rows": [start, stop], "dropped": dropped.to_dict(), "altered": altered.to_dict()}
 
+    pipeline: Any = make_pipeline
+    if is_sharded(cfg):
+        pipeline = _lockstep_pipeline(cfg, spec.device, store, make_pipeline)
     try:
-        result = fill_shards(store, samples_for, make_pipeline, report, spec,
+        result = fill_shards(store, samples_for, pipeline, report, spec,
                              writer_threads=cfg.writer_threads or spec.writer_threads, timeline=tl)
+        lockstep = getattr(pipeline, "runner", None)  # extract.lockstep.Lockstep when sharded and loaded
+        if hasattr(lockstep, "finish"):  # step with the peers until none has rows left
+            with tl.stage("lockstep"):
+                result["empty_forwards"] = lockstep.finish()
     except BaseException as e:
         if _disk_full(e):
             raise StoreError(
@@ -227,6 +253,20 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
         raise
     result = {**result, "load_s": round(loaded["load_s"], 3) if loaded else None}
     return {**result, "timeline": tl.to_dict(device=spec.device, pid=os.getpid(), index=spec.index)}
+
+
+def _lockstep_pipeline(cfg: "ExtractConfig", device: str, store: Any, make_pipeline: Callable[[], Any]) -> Any:
+    """Return the pipeline of a sharded target made now (every rank holds a part of the weights its peers need, so
+    each loads it whether or not it gets a shard), or make_pipeline itself when no rank has a shard left to do."""
+    from ..target.sharded import init_group
+    from .lockstep import agree_any, collective
+
+    import torch
+
+    init_group(torch.device(device), cfg.collective_timeout)
+    with collective("agreeing on the work left", cfg.collective_timeout):
+        left = agree_any(len(store.committed_ids()) < store.num_shards)
+    return make_pipeline() if left else make_pipeline
 
 
 def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report, spec: WorkerSpec, *,

@@ -45,6 +45,9 @@ class TargetRunner:
     i.e. the full model's output_hidden_states[i + 1].
     """
 
+    # FSDP2 (target/sharded.py) gathers weights in hooks that inference mode breaks: its runner takes no_grad.
+    grad_mode = staticmethod(torch.inference_mode)
+
     def __init__(self, model: Any, layer_ids: list[int], *, check: bool = True, check_length: int = 4096,
                  cudnn_attention: bool = False) -> None:
         where = getattr(getattr(model, "config", None), "_name_or_path", "") or "the target"
@@ -79,23 +82,22 @@ class TargetRunner:
 
         return hook
 
-    @torch.inference_mode()
     def hidden(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
         """Return the outputs [B, S, H] of the captured decoder layers for right-padded input_ids [B, S]."""
         self._taken.clear()
-        with attention_backends(input_ids.device, self.cudnn_attention):
+        with self.grad_mode(), attention_backends(input_ids.device, self.cudnn_attention):
             self.text(input_ids=input_ids, use_cache=False)
         taken, self._taken = self._taken, {}
         return [taken[i] for i in self.layer_ids]
 
-    @torch.inference_mode()
     def features(self, input_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """Return the real tokens' features [sum(lengths), L, H] in bf16, padding removed, rows in order."""
         B, S = input_ids.shape
         caps = self.hidden(input_ids)
-        idx = torch.cat([torch.arange(n, device=input_ids.device) + b * S for b, n in enumerate(lengths)])
-        feats = torch.stack([c.reshape(B * S, -1).index_select(0, idx) for c in caps], dim=1)
-        return feats.to(torch.bfloat16)
+        with self.grad_mode():
+            idx = torch.cat([torch.arange(n, device=input_ids.device) + b * S for b, n in enumerate(lengths)])
+            feats = torch.stack([c.reshape(B * S, -1).index_select(0, idx) for c in caps], dim=1)
+            return feats.to(torch.bfloat16)
 
     def _check_ids(self, cfg: Any, check_length: int) -> tuple[torch.Tensor, list[int]]:
         """Return the self-check's right-padded rows [2, n] and their lengths: a first row longer than every window
@@ -121,7 +123,7 @@ class TargetRunner:
         ids, lengths = self._check_ids(text_config(self.text.config), check_length)
         kwargs = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
         # The reference takes the attention kernels the runner takes: this checks layers and positions, not kernels.
-        with torch.inference_mode(), attention_backends(ids.device, self.cudnn_attention):
+        with self.grad_mode(), attention_backends(ids.device, self.cudnn_attention):
             states = model(input_ids=ids, use_cache=False, output_hidden_states=True, **kwargs).hidden_states
             refs = [torch.stack([states[i + 1][b, :n] for i in self.layer_ids]) for b, n in enumerate(lengths)]
         return ids, lengths, refs

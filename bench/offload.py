@@ -1,0 +1,156 @@
+"""Benchmark of `dflash extract` with the target's weights in pinned host memory (--offload cpu, FSDP2 on a world
+of one) against the same target resident on the GPU, side by side in one run, through the real command.
+
+    source bench/device_env.sh && python3 bench/offload.py --work /tmp/bo [--case qwen36_27b,qwen3_32b]
+    python3 bench/offload.py --smoke --work /tmp/bo-smoke      # the same path on the CPU, tiny shapes
+
+Cases (bf16, --layers auto, one GPU):
+  qwen36_27b: the Qwen3.6-27B-shaped qwen3_5 text model of bench/targets.py (62 of 64 layers run);
+  qwen3_32b:  a Qwen3-32B-shaped qwen3: hidden 5,120, 64 layers, 64/8 heads of dim 128, intermediate 25,600,
+              vocab 151,936 (the stack of the issue's probe).
+Each case runs the command twice on the same conversations: resident (--shard-weights 1 --offload none) and
+offloaded (--shard-weights 1 --offload cpu), each at the command's default batch (32,768 and 65,536 tokens), and
+once more resident at 65,536 (the same batch as the offloaded run). Random weights are made inside the command
+(this script with --child: the load is replaced by a random init on the GPU, which FSDP2 then moves into pinned host
+memory when offloaded; the folder holds a one-tensor weights file for the fingerprint). Printed per case: steady
+tok/s of each run (first forward to last commit, every byte on disk), offloaded / resident (the issue asks >= 0.9),
+the peak GPU memory each run reserved, each run's peak host RSS, and the largest target the placement rules let this
+machine extract (one GPU, resident or offloaded).
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import re
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import extract as bx  # noqa: E402  (bench/extract.py: the command runner, the conversations)
+import targets as bt  # noqa: E402  (bench/targets.py: the Qwen3.6-27B shape, the target folder)
+
+CASES = {
+    "qwen36_27b": bt.CASES["qwen36_27b"],
+    "qwen3_32b": ("qwen3", dict(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_word_embeddings=False)),
+}
+SMOKE = {
+    "qwen36_27b": bt.SMOKE["qwen36_27b"],
+    "qwen3_32b": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096),
+}
+RUNS = (("resident", ["--shard-weights", "1", "--offload", "none"]),
+        ("offloaded", ["--shard-weights", "1", "--offload", "cpu"]),
+        ("resident_64k", ["--shard-weights", "1", "--offload", "none", "--batch-tokens", "65536"]))
+
+
+def random_sharded(model_dir: str | Path, device: torch.device, dtype: str, shard: int, offload: bool) -> object:
+    """Return a random-init causal LM of the folder's config sharded as target.sharded.load_sharded shards a loaded
+    one on a world of one (built on the GPU; FSDP2 moves the shards into pinned host memory when offloaded)."""
+    import torch.distributed as dist
+
+    from dflash.target import sharded
+
+    assert dist.get_world_size() == 1, "the bench runs one GPU"
+    model = bt.random_target(model_dir, device, getattr(torch, dtype))
+    sharded._fully_shard_world_of_one(model, sharded.text_path(model), device, offload)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return model.eval()
+
+
+def child(argv: list[str]) -> None:
+    """Run the `dflash` entry point with random weights made inside it (what --child does); print the peak GPU
+    memory reserved at exit."""
+    import dflash.target.load as loading
+    import dflash.target.sharded as sharded
+    from dflash.cli import main
+
+    loading.load_for_features = bt.random_target
+    loading.check_weights = lambda path, **kw: None
+    sharded.load_sharded = random_sharded
+    if torch.cuda.is_available():
+        atexit.register(lambda: print(f"BENCH peak_gpu_reserved {torch.cuda.max_memory_reserved()}", file=sys.stderr,
+                                      flush=True))
+    main(argv)
+
+
+def run_case(name: str, args: argparse.Namespace) -> dict:
+    """Return the three runs' figures of one case."""
+    model_type, config = CASES[name]
+    if args.smoke:
+        config = {**config, **SMOKE[name]}
+    work = args.work / name
+    folder, data = work / "target", args.work / f"conversations-{args.tokens}.jsonl"
+    bt.make_folder(folder, model_type, config)
+    bx.make_conversations(data, args.tokens)
+    gpus = "cpu" if args.smoke else "0"
+    out: dict = {"case": name}
+    for tag, flags in RUNS:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        log = work / f"extract-{tag}.log"
+        cmd = bx.run_command(folder, data, work / "store", gpus, ["--dtype", "bfloat16", *flags], log,
+                             entry=[str(Path(__file__).resolve()), "--child"])
+        text = log.read_text()
+        peak = re.search(r"BENCH peak_gpu_reserved (\d+)", text)
+        weights = re.search(r"^.*weights: .*$", text, re.M)
+        # ru_maxrss of the children is the largest of any child so far (KB): a later run's only when it is larger.
+        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        out[tag] = {"steady_tok_s": cmd["steady_tok_s"], "tokens": cmd["tokens"], "wall_s": round(cmd["wall_s"], 1),
+                    "load_s": cmd["load_s"], "gpu_peak_gb": round(int(peak.group(1)) / 1e9, 1) if peak else None,
+                    "host_peak_rss_gb": round(rss * 1024 / 1e9, 1) if rss > before else "<= an earlier run's",
+                    "placement": weights.group(0).split("weights: ", 1)[1] if weights else None}
+        print(json.dumps({tag: out[tag]}), flush=True)
+    res = out["resident"]["steady_tok_s"]
+    out["offloaded_over_resident"] = round(out["offloaded"]["steady_tok_s"] / res, 3)
+    out["offloaded_over_resident_same_batch"] = round(
+        out["offloaded"]["steady_tok_s"] / out["resident_64k"]["steady_tok_s"], 3)
+    return out
+
+
+def largest_target() -> str:
+    """Return the largest target the placement rules let this machine extract on one GPU, resident and offloaded."""
+    from dflash.extract.placement import GPU_USABLE, HOST_USABLE
+    from dflash.target.load import _mem_available
+
+    host = _mem_available() or 0
+    free = torch.cuda.mem_get_info(0)[0] if torch.cuda.is_available() else 0
+    return (f"one GPU with {free / 1e9:.0f} GB free holds about {free * GPU_USABLE / 2e9:.0f}B parameters in bf16 "
+            f"resident (less a batch's activations); host memory ({host / 1e9:.0f} GB available) holds about "
+            f"{host * HOST_USABLE / 2e9:.0f}B offloaded")
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        return child(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("bench-offload-out"))
+    ap.add_argument("--case", default="qwen36_27b,qwen3_32b", help="comma-separated: " + ", ".join(CASES))
+    ap.add_argument("--tokens", type=int, default=600_000, help="tokens of conversations per case")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (check the script first)")
+    ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    args = ap.parse_args()
+    if args.smoke:
+        args.tokens = min(args.tokens, 20_000)
+        RUNS[2][1][-1] = "4096"  # a CPU's tiny target: the same-batch run at a batch it takes in seconds
+    results = [run_case(name, args) for name in args.case.split(",")]
+    for r in results:
+        print(f"{r['case']}: resident {r['resident']['steady_tok_s']:,.0f} tok/s "
+              f"(GPU {r['resident']['gpu_peak_gb']} GB), offloaded {r['offloaded']['steady_tok_s']:,.0f} tok/s "
+              f"(GPU {r['offloaded']['gpu_peak_gb']} GB, host RSS {r['offloaded']['host_peak_rss_gb']} GB): "
+              f"offloaded / resident {r['offloaded_over_resident']} (issue: >= 0.9), at the same batch "
+              f"{r['offloaded_over_resident_same_batch']}", flush=True)
+    print(largest_target(), flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Where the target's weights live during extraction, decided once from numbers: a whole copy on every GPU (today's
+path), one copy shared by K GPUs (FSDP2), or shards in pinned host memory; and the batch size that goes with it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError, InputError
+from .plan import format_bytes
+
+__all__ = ["is_sharded", "target_size", "RESIDENT_BATCH_TOKENS", "SHARDED_BATCH_TOKENS", "GPU_USABLE", "HOST_USABLE", "Placement", "TargetSize",
+           "activation_bytes", "decide", "placement_of"]
+
+# The batch of a target whose weights stay on the GPU, and of one whose weights are streamed in layer by layer:
+# measured on one H200 (DESIGN.md, "Targets larger than a GPU"), a host-offloaded Qwen3-32B-shaped stack ran at
+# 0.653 / 0.908 / 0.956 of resident at 16K / 64K / 128K tokens a forward: 64K makes the weight traffic small.
+RESIDENT_BATCH_TOKENS = 32768
+SHARDED_BATCH_TOKENS = 65536
+# Shares of the free GPU memory and of the available host memory a plan may count on (the allocator's
+# fragmentation, CUDA graphs of attention kernels, the pinned feature buffers, the page cache of the weights).
+GPU_USABLE = 0.85
+HOST_USABLE = 0.8
+# Bytes an activation of one token costs beyond the features kept, in units of (compute dtype bytes x width):
+# the residual and its norm, q/k/v/o, the MLP's gate, up and product. An estimate; transformers' kernels differ.
+_ACT_HIDDEN, _ACT_INTERMEDIATE = 8, 3
+
+
+@dataclass(frozen=True)
+class TargetSize:
+    """A target in bytes at the compute dtype: all its weights as a run loads them, its embedding, its largest layer
+    among those extraction runs, and one token's activations."""
+
+    params: int
+    embed: int
+    layer: int
+    token_activation: int
+    captured_layers: int
+    feature_token: int  # bytes of one token's features as the pipeline keeps them (bf16)
+
+
+def target_size(counts: dict[str, int], captured: int) -> TargetSize:
+    """Return the TargetSize of target.sharded.captured_size's counts, `captured` layers kept as features."""
+    token = counts["dtype_bytes"] * (_ACT_HIDDEN * counts["hidden"] + _ACT_INTERMEDIATE * counts["width"])
+    return TargetSize(params=counts["params"], embed=counts["embed"], layer=counts["layer"], token_activation=token,
+                      captured_layers=captured, feature_token=captured * counts["hidden"] * 2)
+
+
+def activation_bytes(size: TargetSize, batch_tokens: int) -> int:
+    """Return the estimated GPU bytes of one forward's activations over a batch of batch_tokens tokens."""
+    return batch_tokens * (size.token_activation + size.feature_token)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the weights of one run live: `shard` ranks share one copy (1: every rank holds it whole), in pinned host
+    memory when `offload`; with the batch size and the sentence the log and --dry-run print."""
+
+    shard: int
+    offload: bool
+    batch_tokens: int
+    reason: str
+
+    @property
+    def sharded(self) -> bool:
+        """Return True if the weights run under FSDP2 (shared by several ranks, or offloaded to host memory)."""
+        return self.shard > 1 or self.offload
+
+    def line(self) -> str:
+        """Return the one line that says what was chosen and why."""
+        if not self.sharded:
+            where = "a whole copy of the target on every device"
+        else:
+            where = (f"the target's weights sharded over {self.shard} rank(s)" if self.shard > 1
+                     else "the target's weights on one rank")
+            where += ", held in pinned host memory" if self.offload else ""
+        return f"weights: {where}, batches of {self.batch_tokens:,} tokens ({self.reason})"
+
+
+def _batch(asked: int | None, sharded: bool) -> int:
+    return asked if asked is not None else (SHARDED_BATCH_TOKENS if sharded else RESIDENT_BATCH_TOKENS)
+
+
+def _shards(local_world: int, world: int) -> list[int]:
+    """Return the candidate numbers of ranks sharing a copy, fewest first: divisors of a node's ranks, then whole
+    nodes (multiples of a node's ranks that divide the run's)."""
+    node = [k for k in range(2, local_world + 1) if local_world % k == 0 and world % k == 0]
+    across = [k for k in range(2 * local_world, world + 1, local_world) if world % k == 0]
+    return node + across
+
+
+def decide(asked: int | None, offload: bool, size: TargetSize, *, free: int | None, host_free: int | None,
+           local_world: int, world: int, batch_tokens: int | None, on_gpu: bool, where: str = "--model") -> Placement:
+    """Return the Placement of a run: `asked` is --shard-weights (None: auto), `offload` --offload cpu; free is the
+    least free memory of the run's GPUs (None: unknown), host_free a node's available host memory.
+
+    auto keeps today's path (a whole copy per GPU) while the captured layers and a batch fit one GPU; else it takes
+    the fewest GPUs of a node whose shares fit (each also holds the embedding, which stays gathered, and two layers
+    gathered at once: the one running and the one prefetched), then whole nodes, then host memory (one copy a node,
+    shared by its ranks).
+    """
+    if asked is not None and world % asked:
+        raise ConfigError(f"--shard-weights {asked}: expected a number of ranks that divides the run's {world}; pass "
+                          f"one of {', '.join(str(k) for k in range(1, world + 1) if world % k == 0)}, or auto")
+    gb = format_bytes
+    what = f"the target's weights are {gb(size.params)}"
+    if asked is not None:
+        return Placement(asked, offload, _batch(batch_tokens, asked > 1 or offload), f"asked; {what}")
+    if not on_gpu:
+        return Placement(1, False, _batch(batch_tokens, False),
+                         f"auto: the target runs on the CPU, whose memory holds it whole; {what}")
+    if offload:
+        k = local_world if world % local_world == 0 else 1
+        return Placement(k, True, _batch(batch_tokens, True),
+                         f"auto with --offload cpu: one copy in each node's host memory, shared by its {k} rank(s); "
+                         f"{what}")
+    if free is None:
+        return Placement(1, False, _batch(batch_tokens, False),
+                         f"auto: the GPUs' free memory is unknown here, so a whole copy per GPU; {what}")
+    usable = int(free * GPU_USABLE)
+    whole = size.params + activation_bytes(size, _batch(batch_tokens, False))
+    if whole <= usable:
+        return Placement(1, False, _batch(batch_tokens, False),
+                         f"auto: {what}, a batch needs {gb(whole - size.params)} more, {gb(free)} free on the GPU")
+    act = activation_bytes(size, _batch(batch_tokens, True))
+    for k in _shards(local_world, world):
+        need = (size.params - size.embed) // k + size.embed + 2 * size.layer + act
+        if need <= usable:
+            return Placement(k, False, _batch(batch_tokens, True),
+                             f"auto: {what} and a batch {gb(act)}, more than the {gb(free)} free on one GPU; shared by "
+                             f"{k} GPUs each needs {gb(need)}")
+    need = size.embed + 2 * size.layer + act
+    if need > usable:
+        raise InputError(f"{where}: even streamed from host memory a forward needs {gb(need)} of GPU memory (the "
+                         f"embedding, two layers of {gb(size.layer)}, a batch's activations) and the GPU has "
+                         f"{gb(free)} free; lower --batch-tokens, or free the GPUs")
+    k = local_world if world % local_world == 0 else 1
+    if host_free is not None and size.params > host_free * HOST_USABLE:  # one copy a node, shared by its ranks
+        raise InputError(f"{where}: {what}, more than {world} GPU(s) can hold ({gb(free)} free each) and more than "
+                         f"this node's {gb(host_free)} of available host memory; run on more GPUs or nodes (torchrun), "
+                         "or lower --layers")
+    return Placement(k, True, _batch(batch_tokens, True),
+                     f"auto: {what}, more than {world} GPU(s) hold with {gb(free)} free each; streamed from pinned "
+                     f"host memory ({gb(host_free)} available), one copy a node shared by {k} rank(s)")
+
+
+def placement_of(cfg: Any, size: TargetSize | None, *, free: int | None, host_free: int | None, local_world: int,
+                 world: int, on_gpu: bool) -> Placement:
+    """Return the Placement of an ExtractConfig (its --shard-weights, --offload and --batch-tokens)."""
+    from ..config.options import parse_shard_weights
+
+    asked = parse_shard_weights(cfg.shard_weights)
+    if size is None:  # nothing measured: only what was asked can be honoured
+        size = TargetSize(0, 0, 0, 0, 0, 0)
+    return decide(asked, cfg.offload == "cpu", size, free=free, host_free=host_free, local_world=local_world,
+                  world=world, batch_tokens=cfg.batch_tokens, on_gpu=on_gpu, where=f"--model {cfg.model}")
+
+
+def is_sharded(cfg: Any) -> bool:
+    """Return True if a resolved ExtractConfig runs the target sharded or offloaded (FSDP2); auto counts as not yet."""
+    from ..config.options import parse_shard_weights
+
+    return (parse_shard_weights(cfg.shard_weights) or 1) > 1 or cfg.offload == "cpu"

@@ -45,7 +45,6 @@ class EvalConfig(StageConfig):
              "Attention-only targets (Llama, Qwen2, Qwen3).")
 
     def __post_init__(self) -> None:
-        check_model_dir(self.target, "--target")
         check(self.store is not None or self.prompts is not None,
                "--store is required (teacher-forced tau_hat on its held-out shards), unless --prompts FILE measures "
                "tau by decoding")
@@ -65,3 +64,5 @@ class EvalConfig(StageConfig):
         check(not self.tree_budget or self.prompts is not None,
                f"--tree-decode-nodes {','.join(map(str, self.tree_budget or ()))} decodes prompts: pass --prompts FILE "
                "(on a store, --tree-tau-nodes reports tree tau teacher-forced)")
+        # Last: the values above are refused without a look at the disk.
+        check_model_dir(self.target, "--target")

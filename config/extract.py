@@ -75,7 +75,6 @@ class ExtractConfig(StageConfig):
              "the device's time in each forward and idle between them (events, no synchronize: it runs as fast).")
 
     def __post_init__(self) -> None:
-        check_model_dir(self.model, "--model")
         check(bool(self.data), "--data needs at least one file or folder")
         parse_gpus(self.gpus)
         check(self.max_length >= 2, f"--max-length must be >= 2, got {self.max_length}")
@@ -95,3 +94,5 @@ class ExtractConfig(StageConfig):
         check(self.collective_timeout >= 1, f"--collective-timeout must be >= 1, got {self.collective_timeout}")
         if self.layers is not None:
             check(len(self.layers) >= 1, "--layers is empty; pass auto or e.g. 1,9,17,25,33")
+        # Last: the values above are refused without a look at the disk.
+        check_model_dir(self.model, "--model")

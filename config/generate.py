@@ -67,7 +67,6 @@ class GenerateConfig(StageConfig):
                     "is retried with backoff within it on timeouts, connection errors and 5xx answers.")
 
     def __post_init__(self) -> None:
-        check_model_dir(self.model, "--model")
         check(self.self_prompts is not None or self.prompts is not None,
                "--prompts is required (a prompts file to answer), unless --self-prompts N writes prompts instead")
         check(self.self_prompts is None or self.prompts is None,
@@ -101,3 +100,5 @@ class GenerateConfig(StageConfig):
         check(self.top_k is None or self.top_k >= 1, f"--top-k must be >= 1, got {self.top_k}")
         check(self.engine in GENERATE_ENGINES, f"--engine {self.engine!r}: use {', '.join(GENERATE_ENGINES)}")
         check(self.dtype in DTYPE_CHOICES, f"--dtype {self.dtype!r}: use auto, {', '.join(DTYPES)}")
+        # Last: the values above are refused without a look at the disk.
+        check_model_dir(self.model, "--model")

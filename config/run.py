@@ -29,12 +29,13 @@ class RunConfig(StageConfig):
     progress_every: float = option(30.0, help="Seconds between progress lines.")
 
     def __post_init__(self) -> None:
-        check_model_dir(self.model, "--model")
         check(bool(self.data), "--data needs at least one file or folder")
         parse_gpus(self.extract_gpus)
         parse_gpus(self.train_gpus)
         check(self.retries >= 0, f"--retries must be >= 0, got {self.retries}")
         check(self.progress_every > 0, f"--progress-every must be > 0, got {self.progress_every}")
+        # Last: the values above are refused without a look at the disk.
+        check_model_dir(self.model, "--model")
 
 
 # How `dflash run`'s options map onto its stages: these stage fields come from RunConfig (None: `dflash run` sets

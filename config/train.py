@@ -80,7 +80,6 @@ class TrainConfig(StageConfig):
                     "block loss's denominator. Logged as loss_accept.")
 
     def __post_init__(self) -> None:
-        check_model_dir(self.target, "--target")
         parse_gpus(self.gpus)
         check(self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}")
         check(self.max_steps is None or self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}")
@@ -130,3 +129,5 @@ class TrainConfig(StageConfig):
         check(self.dpace_alpha == DPACE_ALPHA or self.position_weights == "dpace",
                f"--dpace-alpha {self.dpace_alpha} applies to --position-weights dpace only (it is "
                f"{self.position_weights}); drop it or pass --position-weights dpace")
+        # Last: the values above are refused without a look at the disk.
+        check_model_dir(self.target, "--target")

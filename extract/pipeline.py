@@ -45,9 +45,10 @@ class PipelineStats:
     batches: int = 0
     seconds: float = 0.0
     wait_s: float = 0.0
+    flops: float = 0.0  # the target's model FLOPs over the real tokens (target/flops.py)
 
     def add(self, other: "PipelineStats") -> None:
-        for f in ("samples", "tokens", "padded_tokens", "batches", "seconds", "wait_s"):
+        for f in ("samples", "tokens", "padded_tokens", "batches", "seconds", "wait_s", "flops"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
 
     def to_dict(self) -> dict[str, Any]:
@@ -214,6 +215,7 @@ class FeaturePipeline:
         device does not idle at shard boundaries.
         """
         stats = PipelineStats()
+        flops = getattr(self.runner, "flops", None)
         t0 = time.perf_counter()
         self._raise_failure()
         self._ensure_writer()
@@ -245,6 +247,8 @@ class FeaturePipeline:
             stats.batches += 1
             stats.samples += len(batch)
             stats.tokens += sum(lens)
+            if flops is not None:
+                stats.flops += flops.total(lens)
         self._raise_failure()
         stats.seconds = time.perf_counter() - t0
         return stats

@@ -20,12 +20,12 @@ def device_peak(device: str) -> tuple[str, float | None]:
     return name, peak_flops(name)
 
 
-def worker_perf(runner: Any, device: str, flops: float, tokens: int, steady_s: float,
+def worker_perf(runner: Any, name: str, peak: float | None, flops: float, tokens: int, steady_s: float,
                 forward_device_s: float = 0.0) -> dict[str, Any]:
-    """Return a worker's performance record: kernels, model FLOPs (total, a token), the steady rate's TFLOP/s and
-    MFU (first forward to last commit, what the run delivered), and, where the device's own forward time was
-    measured (--profile on CUDA), the forward's MFU alone."""
-    name, peak = device_peak(device)
+    """Return a worker's performance record on a device of this name and peak (device_peak): kernels, model
+    FLOPs (total, a token), the steady rate's TFLOP/s and MFU (first forward to last commit, what the run
+    delivered), and, where the device's own forward time was measured (--profile on CUDA), the forward's MFU
+    alone."""
     kernels = getattr(runner, "kernels", None)
     out: dict[str, Any] = {
         "kernels": kernels.to_dict() if kernels is not None else None,

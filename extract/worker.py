@@ -236,11 +236,11 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
     result = {**result, "load_s": round(loaded["load_s"], 3) if loaded else None}
     perf = {}
     if made:
-        from .perf import worker_perf
+        from .perf import device_peak, worker_perf
 
         device_s = sum(row.get("forward_device", 0.0) for row in tl.shards.values())
-        perf = worker_perf(made[0].runner, spec.device, result.get("flops", 0.0), result.get("tokens", 0),
-                           result.get("steady_s") or 0.0, device_s)
+        perf = worker_perf(made[0].runner, *device_peak(spec.device), result.get("flops", 0.0),
+                           result.get("tokens", 0), result.get("steady_s") or 0.0, device_s)
     return {**result, "perf": perf,
             "timeline": tl.to_dict(device=spec.device, pid=os.getpid(), index=spec.index, perf=perf)}
 

@@ -59,13 +59,24 @@ def _experts_per_token(module: Any, top_k: int) -> float:
     return 2.0 * top_k * sum(p.numel() for p in weights) / experts
 
 
-def _dims(cfg: Any) -> tuple[int, int, int]:
-    """Return (query heads, query-key dim, value dim) of a config's attention (MLA: nope + rope, v_head_dim)."""
-    heads = int(cfg.num_attention_heads)
-    head = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    nope, rope = getattr(cfg, "qk_nope_head_dim", None), getattr(cfg, "qk_rope_head_dim", None)
-    qk = int(nope) + int(rope) if nope is not None and rope is not None else head
-    return heads, qk, int(getattr(cfg, "v_head_dim", None) or head)
+def _attention(layer: Any, cfg: Any, kind: str) -> tuple[float, int]:
+    """Return (FLOPs a visible pair, window or 0) of a decoder layer's attention: query heads x (query-key dim +
+    value dim) x 2, read off its attention module (MLA's qk_head_dim and v_head_dim; Gemma 4's per-layer head
+    dims; heads from o_proj's input), else from the config."""
+    attn = getattr(layer, "self_attn", None)
+    head = getattr(attn, "head_dim", None)
+    qk = int(getattr(attn, "qk_head_dim", None) or head or 0)
+    v = int(getattr(attn, "v_head_dim", None) or head or 0)
+    o_proj = getattr(attn, "o_proj", None)
+    if qk and v and o_proj is not None and hasattr(o_proj, "in_features"):
+        heads = o_proj.in_features // v
+    else:
+        heads = int(cfg.num_attention_heads)
+        qk = v = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    window = 0
+    if kind == "sliding_attention":
+        window = int(getattr(attn, "sliding_window", None) or getattr(cfg, "sliding_window", None) or 0)
+    return 2.0 * heads * (qk + v), window
 
 
 def forward_flops(text: Any, kinds: list[str], config: Any | None = None) -> ForwardFlops:
@@ -103,15 +114,13 @@ def forward_flops(text: Any, kinds: list[str], config: Any | None = None) -> For
     walk(text, inside | embeds | {id(text.layers)})  # what runs outside the layers (Gemma 4's per-layer inputs)
     for layer in layers:
         walk(layer, set())
-    heads, qk, v = _dims(cfg)
-    window = int(getattr(cfg, "sliding_window", None) or 0)
     attention = []
-    for kind in kinds[: len(layers)]:
+    for layer, kind in zip(layers, kinds):
         if kind == "linear_attention":
             dk, dv = int(cfg.linear_key_head_dim), int(cfg.linear_value_head_dim)
             parts["linear_attention"] += 3 * 2.0 * dk * dv * int(cfg.linear_num_value_heads)
         else:
-            attention.append((2.0 * heads * (qk + v), window if kind == "sliding_attention" else 0))
+            attention.append(_attention(layer, cfg, kind))
     return ForwardFlops({k: v for k, v in parts.items() if v}, tuple(attention))
 
 

@@ -136,3 +136,34 @@ def test_a_bf16_run_allows_the_drift_its_own_eager_kernels_show(tiny_target, cap
         mp.setattr(kernels, "TOLERANCE", tight)
         chosen, _ = kernels.choose(model, text_model(model), ids, lengths, list(LAYERS), ["full_attention"], "bfloat16")
     assert chosen == Kernels("sdpa", "grouped_mm"), caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gpt_oss", "mistral", "qwen3_moe", "deepseek_v3", "gemma3_text"])
+def test_on_cuda_the_fastest_kernels_are_exact_and_taken(arch, tiny_target, caplog):  # noqa: F811
+    """On CUDA in bf16 the first candidate (flex for sinks and windows, grouped GEMMs for experts) passes the
+    self-check on rows longer than every window, and the cut runner's features equal the eager float32 model's."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.target.load import load_for_features
+    from dflash.target.runner import TargetRunner
+
+    dev = torch.device("cuda")
+    model = load_for_features(tiny_target(arch), dev, torch.bfloat16)
+    from dflash.target.adapter import layer_kinds, text_config, text_model
+
+    kinds = layer_kinds(text_config(text_model(model).config))[: max(LAYERS) + 1]
+    first = kernels.candidates(model, kinds, dev)[0]
+    with caplog.at_level(logging.WARNING, logger="dflash"):
+        runner = TargetRunner(model, list(LAYERS), check_length=4 * TINY_WINDOW)
+    assert runner.kernels.attention == first.attention and not caplog.records, caplog.text
+    assert runner.kernels.attention != "eager" and runner.kernels.experts in (None, "grouped_mm")
+    full = AutoModelForCausalLM.from_pretrained(tiny_target(arch), dtype=torch.float32, attn_implementation="eager")
+    full = full.to(dev).eval()
+    ids = torch.randint(0, 200, (1, 5 * TINY_WINDOW), device=dev)
+    got = runner.hidden(ids)
+    with torch.no_grad():
+        states = full(input_ids=ids, output_hidden_states=True).hidden_states
+    for g, i in zip(got, LAYERS):
+        want = states[i + 1]
+        assert float((g.float() - want).norm() / want.norm()) < 0.05, (arch, i)

@@ -131,13 +131,7 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
 
 def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     """Return the command's and each kernel choice's figures of one case."""
-    model_type, config = CASES[name]
-    if args.smoke:
-        config = {**config, **SMOKE[name]}
-    work = args.work / name
-    folder, data = work / "target", args.work / f"conversations-{args.tokens}.jsonl"
-    bt.make_folder(folder, model_type, config)
-    bx.make_conversations(data, args.tokens)
+    work, folder, data = bt.prepare_case(name, CASES[name], SMOKE[name] if args.smoke else None, args)
     cmd, _ = bt.extract_run(folder, data, work, "cpu" if args.smoke else "0", [], "")
     said = command_figures((work / "extract.log").read_text())
     forwards = forward_by_kernels(folder, data, work / "store", device)
@@ -182,13 +176,7 @@ def main() -> None:
     if args.smoke:
         args.tokens = min(args.tokens, 6_000)
     device = torch.device("cpu" if args.smoke else "cuda:0")
-    results = []
-    for name in args.case.split(","):
-        t0 = time.perf_counter()
-        r = run_case(name, args, device)
-        r["case_s"] = round(time.perf_counter() - t0, 1)
-        results.append(r)
-        print(json.dumps(r), flush=True)
+    results = bt.run_cases(run_case, args, device)
     for r in results:
         print(verdict(r), flush=True)
     if args.out is not None:

@@ -11,8 +11,8 @@ The check (`choose`) runs the full model once in float32 with eager attention an
 upcast in turn, so the check needs one layer's float32 copy, not the model's), then each candidate in the run's
 dtype, in order, and keeps the first whose layers' updates differ from that reference's by no more than the
 dtype's rounding: a relative RMS difference within `TOLERANCE`, or within twice the eager kernels' own in the same
-dtype (a deep bf16 stack drifts from float32 by itself). A candidate that differs more, or fails to run, is logged and the
-next one is tried; eager is the model's own forward and always last.
+dtype (a deep bf16 stack drifts from float32 by itself). A candidate that differs more, or fails to run, is logged
+and the next one is tried; eager is the model's own forward and always last.
 """
 from __future__ import annotations
 

@@ -320,9 +320,10 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
 def _with_kernels(header: dict[str, Any], runner: Any) -> dict[str, Any]:
     """Return the header with the kernels the checked runner chose (target/kernels.py), an informational field: a
     store resumed in other kernels (another GPU, another transformers) is the same store, and every commit record
-    says which kernels made its shard."""
-    return {**header, "kernels": runner.kernels.to_dict(),
-            "informational": [*header.get("informational", []), "kernels"]}
+    says which kernels made its shard. A store from before they were recorded keeps its header as it is."""
+    if "kernels" not in header.get("informational", []):
+        return header
+    return {**header, "kernels": runner.kernels.to_dict()}
 
 
 def _run_workers(cfg: "ExtractConfig", specs: list[Any], plan: Any, progress: Any, tl: Any, tokenizer: Any,

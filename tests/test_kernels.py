@@ -167,3 +167,40 @@ def test_on_cuda_the_fastest_kernels_are_exact_and_taken(arch, tiny_target, capl
     for g, i in zip(got, LAYERS):
         want = states[i + 1]
         assert float((g.float() - want).norm() / want.norm()) < 0.05, (arch, i)
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_where_the_float32_reference_cannot_run_the_kernels_are_checked_against_eager_in_the_runs_dtype(
+        tiny_target, monkeypatch):  # noqa: F811
+    """A layer too large to upcast on its device (injected here: the upcast fails as an out-of-memory would): the
+    check falls back to the model's own eager kernels in the run's dtype, and says so."""
+    import contextlib
+
+    from dflash.target.runner import TargetRunner
+
+    @contextlib.contextmanager
+    def no_room(model, layers):
+        raise RuntimeError("out of memory (injected)")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(kernels, "_upcast", no_room)
+    said, logger = _Said(), logging.getLogger("dflash.target.kernels")
+    logger.addHandler(said)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        runner = TargetRunner(_load(tiny_target("mistral"), torch.bfloat16), list(LAYERS), check_length=96)
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
+    assert any("the eager float32 reference cannot run here (RuntimeError: out of memory (injected))" in s
+               for s in said.lines), said.lines
+    assert any(s.startswith(f"kernels: {runner.kernels} (checked against the model's eager bfloat16 forward")
+               for s in said.lines), said.lines

@@ -204,3 +204,19 @@ def test_where_the_float32_reference_cannot_run_the_kernels_are_checked_against_
                for s in said.lines), said.lines
     assert any(s.startswith(f"kernels: {runner.kernels} (checked against the model's eager bfloat16 forward")
                for s in said.lines), said.lines
+
+
+def test_one_token_routed_otherwise_is_rounding_and_a_lost_window_is_not() -> None:
+    """relative_error on states made by hand: a layer update that differs wholly on one token of 100 (a tie
+    between experts broken the other way) stays within bf16's bound; one that differs on the 20 past a window
+    does not."""
+    g = torch.Generator().manual_seed(0)
+    want = [torch.randn(3, 100, 16, generator=g)]
+    one = [want[0].clone()]
+    one[0][2, 7] += torch.randn(16, generator=g) * 3
+    window = [want[0].clone()]
+    window[0][2, 80:] += torch.randn(20, 16, generator=g)
+    assert kernels.relative_error(want, want) == (0.0, 0, 0)
+    assert kernels.relative_error(one, want)[0] < kernels.TOLERANCE["bfloat16"]
+    err, layer, row = kernels.relative_error(window, want)
+    assert err > 0.5 and (layer, row) == (1, 0)

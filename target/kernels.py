@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-__all__ = ["Kernels", "TOLERANCE", "has_experts", "current", "attention_order", "candidates", "apply",
+__all__ = ["Kernels", "TOLERANCE", "has_experts", "current", "attention_order", "candidates", "apply", "model_states",
            "eager_float32_states", "captured", "relative_error", "choose"]
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ def _upcast(model: Any, layers: Any) -> Iterator[None]:
             t.data = cast.pop(id(t))  # a forward that failed half-way: every weight back in its own dtype
 
 
-def _states(model: Any, ids: Any, depth: int, lengths: list[int]) -> list[Any]:
+def model_states(model: Any, ids: Any, depth: int, lengths: list[int]) -> list[Any]:
     """Return, per row, the full model's output_hidden_states 0..depth (the embeddings, then every decoder
     layer's output up to the deepest run) on its real tokens [depth + 1, n, H]."""
     import torch
@@ -170,16 +170,16 @@ def _states(model: Any, ids: Any, depth: int, lengths: list[int]) -> list[Any]:
 
 
 def captured(states: list[Any], layer_ids: list[int]) -> list[Any]:
-    """Return _states' rows cut to the captured layers' outputs [len(layer_ids), n, H] (layer i: state i + 1)."""
+    """Return model_states' rows cut to the captured layers' outputs [len(layer_ids), n, H] (layer i: state i + 1)."""
     return [s[[i + 1 for i in layer_ids]] for s in states]
 
 
 def eager_float32_states(model: Any, text: Any, ids: Any, depth: int, lengths: list[int]) -> list[Any]:
-    """Return the model's own eager float32 forward on the rows (as _states), whatever dtype it is loaded in; the
+    """Return the model's own eager float32 forward on the rows (as model_states), whatever dtype it is loaded in; the
     model is left in eager kernels."""
     apply(model, Kernels("eager", "eager" if has_experts(model) else None))
     with _upcast(model, text.layers):
-        return [s.float() for s in _states(model, ids, depth, lengths)]
+        return [s.float() for s in model_states(model, ids, depth, lengths)]
 
 
 def relative_error(got: list[Any], want: list[Any]) -> tuple[float, int, int]:
@@ -224,14 +224,14 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
         log.warning("the eager float32 reference cannot run here (%s: %s): kernels are checked against %s instead",
                     type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", against)
         apply(model, options[-1])
-        ref = _states(model, ids, depth, lengths)
+        ref = model_states(model, ids, depth, lengths)
     tol = TOLERANCE.get(dtype, TOLERANCE["bfloat16"])
     eager_err: float | None = None
     for n, k in enumerate(options):
         last = n == len(options) - 1
         try:
             apply(model, k)
-            got = _states(model, ids, depth, lengths)
+            got = model_states(model, ids, depth, lengths)
         except Exception as e:  # noqa: BLE001 - a kernel this model, machine or shape cannot run: the next one
             log.warning("%s: cannot run here (%s: %s); trying %s", k, type(e).__name__,
                         str(e).splitlines()[0][:200] if str(e) else "", options[n + 1] if not last else "nothing")
@@ -243,7 +243,7 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
         if not err <= tol and dtype != "float32" and not last:
             if eager_err is None:  # how far the model's own kernels drift in this dtype: the rounding to allow
                 apply(model, options[-1])
-                eager_err = relative_error(_states(model, ids, depth, lengths), ref)[0]
+                eager_err = relative_error(model_states(model, ids, depth, lengths), ref)[0]
                 apply(model, k)
             bound = max(tol, 2 * eager_err)
         if err <= bound or last:

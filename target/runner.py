@@ -133,7 +133,7 @@ class TargetRunner:
             dtype = str(self.text.embed_tokens.weight.dtype).removeprefix("torch.")
             self.kernels, refs = kernels.choose(model, self.text, ids, lengths, self.layer_ids, self.kinds, dtype)
         else:
-            refs = kernels.captured(kernels._states(model, ids, self.depth, lengths), self.layer_ids)
+            refs = kernels.captured(kernels.model_states(model, ids, self.depth, lengths), self.layer_ids)
         return ids, lengths, refs
 
     def _compare(self, cfg: Any, ids: torch.Tensor, lengths: list[int], refs: list[torch.Tensor]) -> None:

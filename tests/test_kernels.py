@@ -61,7 +61,7 @@ def test_the_float32_reference_of_a_bf16_target_is_its_float32_forward_and_leave
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
     # The same weights, made float32 whole: the upcast one layer at a time computes the same forward.
     model32 = _load(tiny_target("gpt_oss"), torch.bfloat16).float()
-    want = kernels._states(model32, ids, 5, [3 * TINY_WINDOW, 11])
+    want = kernels.model_states(model32, ids, 5, [3 * TINY_WINDOW, 11])
     for g, w in zip(got, want):
         assert g.dtype == torch.float32 and torch.allclose(g, w, rtol=1e-5, atol=1e-5)
 
@@ -129,7 +129,7 @@ def test_a_bf16_run_allows_the_drift_its_own_eager_kernels_show(tiny_target, cap
     lengths = [96, 51]
     ref = kernels.eager_float32_states(model, text_model(model), ids, 5, lengths)
     kernels.apply(model, Kernels("eager", "eager"))
-    eager = kernels.relative_error(kernels._states(model, ids, 5, lengths), ref)[0]
+    eager = kernels.relative_error(kernels.model_states(model, ids, 5, lengths), ref)[0]
     assert 0 < eager < kernels.TOLERANCE["bfloat16"]
     tight = {**kernels.TOLERANCE, "bfloat16": eager / 100}  # every bf16 kernel is past it
     with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.INFO, logger="dflash"):

@@ -340,20 +340,13 @@ def run_command(model: Path, data: Path, store: Path, gpus: str, flags: list[str
             "forward_side_tok_s": forward, "page_cache_dropped": dropped}
 
 
-def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.device, cudnn: bool = False,
-                      load: Any = None) -> dict:
-    """Return tokens/s of the truncated forward alone over the batches the command ran (its shard plan and packing).
-
-    Passes over the same batches: the first in a fresh load (cold, as the command's only pass), a second (warm);
-    with cudnn, two more with SDPA free to pick cuDNN's attention (extract excludes it: it plans each new shape,
-    target/runner.attention_backends), the first of them cold for its plans. `best_tok_s` is the fastest pass: the
-    most this GPU gave for the work. load: a function returning the target (default: its folder's weights).
-    """
+def command_batches(model_dir: Path, data: Path, store: Path, device: torch.device) -> tuple[dict, list]:
+    """Return (the store's header, the padded batches [(ids, lengths)] the command ran): its shard plan and its
+    packing at the default settings, from the data and the store it wrote."""
     from transformers import AutoTokenizer
 
     from dflash.config import ExtractConfig
-    from dflash.target.load import load_for_features
-    from dflash.target.runner import TargetRunner, pad_batch
+    from dflash.target.runner import pad_batch
     from dflash.conversations import read_rows
     from dflash.extract.plan import make_plan, pack_batches, scan_rows
     from dflash.extract.template import ChatEncoder, load_template
@@ -371,7 +364,23 @@ def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.de
         samples, _ = prepare_shard(plan.shard_rows(s)[2], encoder, cfg.min_loss_tokens, False)
         lengths = [len(s.input_ids) for s in samples]
         batches += [pad_batch([samples[i].input_ids for i in idx], 0) for idx in pack_batches(lengths, cfg.batch_tokens)]
-    model = load() if load is not None else load_for_features(cfg.model, device, torch.bfloat16)
+    return header, batches
+
+
+def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.device, cudnn: bool = False,
+                      load: Any = None) -> dict:
+    """Return tokens/s of the truncated forward alone over the batches the command ran (its shard plan and packing).
+
+    Passes over the same batches: the first in a fresh load (cold, as the command's only pass), a second (warm);
+    with cudnn, two more with SDPA free to pick cuDNN's attention (extract excludes it: it plans each new shape,
+    target/runner.attention_backends), the first of them cold for its plans. `best_tok_s` is the fastest pass: the
+    most this GPU gave for the work. load: a function returning the target (default: its folder's weights).
+    """
+    from dflash.target.load import load_for_features
+    from dflash.target.runner import TargetRunner
+
+    header, batches = command_batches(model_dir, data, store, device)
+    model = load() if load is not None else load_for_features(str(model_dir), device, torch.bfloat16)
     runner = TargetRunner(model, header["layer_ids"], check=False)
     tokens = sum(sum(lens) for _, lens in batches)
     settle()

@@ -10,8 +10,8 @@ Cases (--layers auto, bf16, one GPU):
                intermediate 17,408, vocab 248,320 (linear attention: 16 key / 48 value heads of dim 128, conv 4);
                layers auto = [1, 16, 31, 46, 61], so the command runs 62 layers;
   gpt_oss_20b: gpt-oss-20b-shaped: hidden 2,880, 24 layers alternating sliding (128) and full attention with
-               sinks (eager attention: no SDPA kernel takes sinks), 64/8 heads of dim 64, 32 experts top-4 of
-               width 2,880, vocab 201,088.
+               sinks (flex attention on CUDA, eager on the CPU: no SDPA kernel takes sinks), 64/8 heads of dim 64,
+               32 experts top-4 of width 2,880, vocab 201,088.
 Each case runs
   (1) `dflash extract --gpus 0` as a subprocess (this script with --child: the command's own entry point, with
       target.load.load_for_features replaced by a random init on the GPU in the product's attention choice and
@@ -32,6 +32,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,7 +67,8 @@ SMOKE = {
 
 def random_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> object:
     """Return a random-init causal LM of the folder's config on `device` in `dtype`, in the attention
-    implementation extract picks for it (target.adapter.attention_for)."""
+    implementation extract loads it with (target.adapter.attention_for; the command's self-check then keeps it
+    or falls back, target/kernels.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dflash.target.adapter import attention_for
@@ -90,6 +92,17 @@ def make_folder(folder: Path, model_type: str, config: dict) -> None:
     AutoConfig.for_model(model_type, **config).save_pretrained(folder)
     build_tokenizer("chatml").save_pretrained(folder)
     save_file({"placeholder": torch.zeros(1)}, str(folder / "model.safetensors"))
+
+
+def prepare_case(name: str, case: tuple[str, dict], smoke: dict | None, args: argparse.Namespace) -> tuple:
+    """Return (the case's work folder, its target folder, the conversations) made for a case (model type,
+    config), its config overridden by `smoke` where given."""
+    model_type, config = case
+    work = args.work / name
+    folder, data = work / "target", args.work / f"conversations-{args.tokens}.jsonl"
+    make_folder(folder, model_type, {**config, **(smoke or {})})
+    bx.make_conversations(data, args.tokens)
+    return work, folder, data
 
 
 def child(argv: list[str]) -> None:
@@ -143,13 +156,7 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     """Return the command's and the forward's figures of one case."""
     from dflash.storage import Store
 
-    model_type, config = CASES[name]
-    if args.smoke:
-        config = {**config, **SMOKE[name]}
-    work = args.work / name
-    folder, data = work / "target", args.work / f"conversations-{args.tokens}.jsonl"
-    make_folder(folder, model_type, config)
-    bx.make_conversations(data, args.tokens)
+    work, folder, data = prepare_case(name, CASES[name], SMOKE[name] if args.smoke else None, args)
     gpus = "cpu" if args.smoke else "0"
     cmd, compiled = extract_run(folder, data, work, gpus, [], "")
     log = (work / "extract.log").read_text()
@@ -185,6 +192,20 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     return out
 
 
+def run_cases(run_case: Any, args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """Return run_case(name, args, device) of every --case, each printed as it ends with its seconds."""
+    results = []
+    for name in args.case.split(","):
+        t0 = time.perf_counter()
+        r = run_case(name, args, device)
+        r["case_s"] = round(time.perf_counter() - t0, 1)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         return child(sys.argv[2:])
@@ -208,15 +229,7 @@ def main() -> None:
     from dflash.target.adapter import linear_attention_path
 
     print(f"flash-linear-attention: {linear_attention_path() or 'not installed (torch fallback)'}", flush=True)
-    results = []
-    for name in args.case.split(","):
-        t0 = time.perf_counter()
-        r = run_case(name, args, device)
-        r["case_s"] = round(time.perf_counter() - t0, 1)
-        results.append(r)
-        print(json.dumps(r), flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    results = run_cases(run_case, args, device)
     for r in results:
         c, f = r["command"], r["forward"]
         print(f"{r['case']}: layers {r['layer_ids']}; extract steady {c['steady_tok_s']:,.0f} tok/s (one GPU), "

@@ -154,11 +154,16 @@ def target_fingerprint(model_dir: str | os.PathLike) -> str:
 def in_form_of(header: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
     """Return this run's header in the form of an existing store written by an older dflash, when it is one.
 
-    A store written before the data's generation record resumes without one (its header, and so the digest its
+    A store written before the kernels (or the runtime) were recorded resumes without them: its header, and so
+    the digest its commit records carry, never named them. A store written before the data's generation record resumes without one (its header, and so the digest its
     commit records carry, never had it). A store written before target fingerprints named its target by path
     alone (and its records name no header digest): it resumes under that rule. So upgrading dflash never strands
     a half-written store; a new store always gets both.
     """
+    for newer in ("kernels", "runtime"):  # informational fields younger than some stores
+        if stored is not None and newer not in (stored.get("informational") or [newer]):
+            header = {k: v for k, v in header.items() if k != newer}
+            header["informational"] = [k for k in header["informational"] if k != newer]
     if stored is not None and "generated_by" not in (stored.get("dataset") or {}):
         header = {**header, "dataset": {k: v for k, v in header["dataset"].items() if k != "generated_by"},
                   "informational": [k for k in header["informational"] if k != "dataset.generated_by"]}
@@ -189,7 +194,8 @@ def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, templa
         # same target (train, too, ignores where the store lies). The path is kept to tell the user, not compared.
         # How `dflash generate` made the data (its numerics above all: decoding that verifies in other numerics
         # meets text the drafter never saw) is recorded to be shown, not compared.
-        "informational": ["target.path", "dataset.generated_by", "runtime"],
+        # The kernels the target ran (target/kernels.py) differ by device and library, never by what is stored.
+        "informational": ["target.path", "dataset.generated_by", "kernels", "runtime"],
         "target": {
             "path": os.path.abspath(cfg.model),
             "architecture": archs[0],

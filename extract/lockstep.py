@@ -123,6 +123,10 @@ class Lockstep:
     """The runner of a sharded target, called by the pipeline as any runner: each forward is preceded by the ranks'
     agreement that some rank has rows; finish() runs empty forwards while any other rank still has some."""
 
+    # A forward that runs out of memory half-way has left its peers inside a layer's all-gather: the pipeline must
+    # not retry it in halves (extract/pipeline.py), the rank ends with one line and its peers with theirs.
+    in_lockstep = True
+
     def __init__(self, runner: Any, timeout_s: float) -> None:
         self.runner = runner
         self.timeout_s = timeout_s

@@ -319,6 +319,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
                 model = loader.result()
             with tl.stage("runner"):  # the truncated runner's self-check refuses a target it cannot run exactly
                 runner = feature_runner(cfg, header, model)
+            header = _with_kernels(header, runner)
         runner_s = time.perf_counter() - runner_t0
     except DflashError:
         if loader is not None:
@@ -388,6 +389,15 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
     return summary
 
 
+def _with_kernels(header: dict[str, Any], runner: Any) -> dict[str, Any]:
+    """Return the header with the kernels the checked runner chose (target/kernels.py), an informational field: a
+    store resumed in other kernels (another GPU, another transformers) is the same store, and every commit record
+    says which kernels made its shard. A store from before they were recorded keeps its header as it is."""
+    if "kernels" not in header.get("informational", []):
+        return header
+    return {**header, "kernels": runner.kernels.to_dict()}
+
+
 def _run_workers(cfg: "ExtractConfig", specs: list[Any], plan: Any, progress: Any, tl: Any, tokenizer: Any,
                  template: str, runner: Any, runner_s: float, buffers: Any) -> list[dict[str, Any]]:
     """Return each worker's result: the one in this process (with the target's runner already made and checked
@@ -415,7 +425,7 @@ def _report_timelines(cfg: "ExtractConfig", results: list[dict[str, Any]], own: 
         if t is None:
             continue
         if own is not None:
-            t = own.to_dict(device=t.get("device"), pid=t.get("pid"), index=t.get("index"))
+            t = {**t, **own.to_dict(device=t.get("device"), pid=t.get("pid"), index=t.get("index"))}
         workers.append(t)
         log.info("%s", format_line(t))
     if cfg.profile:

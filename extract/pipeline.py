@@ -51,9 +51,10 @@ class PipelineStats:
     batches: int = 0
     seconds: float = 0.0
     wait_s: float = 0.0
+    flops: float = 0.0  # the target's model FLOPs over the real tokens (target/flops.py)
 
     def add(self, other: "PipelineStats") -> None:
-        for f in ("samples", "tokens", "padded_tokens", "batches", "seconds", "wait_s"):
+        for f in ("samples", "tokens", "padded_tokens", "batches", "seconds", "wait_s", "flops"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
 
     def to_dict(self) -> dict[str, Any]:
@@ -226,6 +227,7 @@ class FeaturePipeline:
         device does not idle at shard boundaries.
         """
         stats = PipelineStats()
+        flops = getattr(self.runner, "flops", None)
         t0 = time.perf_counter()
         self._raise_failure()
         self._ensure_writer()
@@ -251,6 +253,8 @@ class FeaturePipeline:
                 stats.batches += 1
                 stats.samples += len(batch)
                 stats.tokens += sum(lens)
+                if flops is not None:
+                    stats.flops += flops.total(lens)
             if self._failure:
                 break
         self._raise_failure()
@@ -288,6 +292,12 @@ class FeaturePipeline:
         """Note a forward that ran out of memory: smaller forwards from now on, or a ResourceError for one row."""
         if self.cuda:
             torch.cuda.empty_cache()
+        if getattr(self.runner, "in_lockstep", False):  # its peers are inside this forward's collectives
+            raise ResourceError(
+                f"a forward of {len(part)} rows ({ids.numel():,} padded tokens) of the sharded target ran out of "
+                f"memory ({free_memory(self.device)}; {type(error).__name__}); its peers end too. Rerun the same "
+                f"command with a smaller --batch-tokens (or --max-length), or over more GPUs (--shard-weights)"
+            ) from None
         if len(part) == 1:
             raise ResourceError(
                 f"row {part[0].row} of --data ({len(part[0].input_ids):,} tokens) does not fit in memory for the "

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from ..runtime.process import Progress as Display
+from .perf import perf_line
 
 __all__ = ["Progress", "summarise", "format_summary"]
 
@@ -87,6 +88,7 @@ def summarise(store: Any, worker_results: list[dict[str, Any]]) -> dict[str, Any
             "steady_tokens_per_s": round(r["tokens"] / r["steady_s"], 1) if r.get("steady_s") else 0.0,
             "writer_copy_wait_s": r.get("writer_copy_wait_s"),
             "writer_sink_s": r.get("writer_sink_s"),
+            "perf": r.get("perf") or None,
         }
         for r in worker_results
     ]
@@ -124,6 +126,8 @@ def format_summary(s: dict[str, Any], where: str, shown_rows: int = 5) -> str:
         if d.get("load_s") is not None:
             first = f"{d['first_commit_s']:.1f} s" if d.get("first_commit_s") is not None else "none"
             lines.append(f"  {d['device']}: model loaded in {d['load_s']:.1f} s, first commit {first} after that")
+        if d.get("perf"):
+            lines.append(f"  {d['device']}: {perf_line(d['perf'])}")
         if d.get("writer_sink_s") is not None:
             lines.append(f"  {d['device']}: writer thread waited {d['writer_copy_wait_s']:.1f} s for the device's "
                          f"copies and spent {d['writer_sink_s']:.1f} s handing features to the store")

@@ -115,6 +115,8 @@ def _group(parts: dict[str, float]) -> tuple[float, float, float]:
 
 def format_line(worker: dict[str, Any]) -> str:
     """Return the one-line summary of a worker's timeline (what the log shows at the end of a run)."""
+    from .perf import perf_line
+
     p = worker["parts"]
     start, shards, end = _group(p)
     n = max(1, len(worker["shards"]))
@@ -125,7 +127,8 @@ def format_line(worker: dict[str, Any]) -> str:
     return (f"timeline {worker.get('device', '')}: wall {worker['wall_s']:.1f} s = start-up {start:.1f} ({ups}) + "
             f"{len(worker['shards'])} shards {shards:.1f} ({per}; {shards / n:.2f} s/shard) + drain/summary "
             f"{end:.1f} + unaccounted {worker['unaccounted_s']:.2f}; beside it: "
-            + (f"target load ({side}), " if side else "") + f"{bg} s")
+            + (f"target load ({side}), " if side else "") + f"{bg} s"
+            + (f"; {perf_line(worker['perf'])}" if worker.get("perf") else ""))
 
 
 def write_profile(path: str, workers: list[dict[str, Any]], **extra: Any) -> None:

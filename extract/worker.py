@@ -93,6 +93,12 @@ def _commit(writer: Any, shard_id: int, extra: dict, open_writers: dict, done: l
     report({"kind": "shard", "worker": index, "shard": shard_id, "bytes": record.get("bytes", 0)})
 
 
+def _kernels(pipeline: Any) -> dict[str, Any]:
+    """Return the commit record's note of the kernels the shard's target ran (target/kernels.py)."""
+    kernels = getattr(getattr(pipeline, "runner", None), "kernels", None)
+    return {"kernels": kernels.to_dict()} if kernels is not None else {}
+
+
 def _disk_full(e: BaseException) -> bool:
     while e is not None:
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
@@ -216,6 +222,7 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
             encoder = open_encoder(cfg)
     encoder, pad_id = encoder
     loaded: dict[str, float] = {}
+    made: list[Any] = []
 
     def make_pipeline() -> Any:
         # Called once the first shard is being tokenised: loading the model and tokenising overlap.
@@ -224,6 +231,7 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
             on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}),
             timeline=tl, runner=runner, buffers=buffers)
         loaded["load_s"] = runner_s + time.perf_counter() - t_start
+        made.append(pipeline)
         return pipeline
 
     def samples_for(shard_id: int) -> tuple[list[Any], dict[str, Any]]:
@@ -252,7 +260,15 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
             ) from None
         raise
     result = {**result, "load_s": round(loaded["load_s"], 3) if loaded else None}
-    return {**result, "timeline": tl.to_dict(device=spec.device, pid=os.getpid(), index=spec.index)}
+    perf = {}
+    if made:
+        from .perf import device_peak, worker_perf
+
+        device_s = sum(row.get("forward_device", 0.0) for row in tl.shards.values())
+        perf = worker_perf(made[0].runner, *device_peak(spec.device), result.get("flops", 0.0),
+                           result.get("tokens", 0), result.get("steady_s") or 0.0, device_s)
+    return {**result, "perf": perf,
+            "timeline": tl.to_dict(device=spec.device, pid=os.getpid(), index=spec.index, perf=perf)}
 
 
 def _lockstep_pipeline(cfg: "ExtractConfig", device: str, store: Any, make_pipeline: Callable[[], Any]) -> Any:
@@ -348,7 +364,7 @@ def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report
             times.setdefault("first_forward", time.perf_counter())
             stats = pipeline.submit(samples, writer, shard_id)
             totals.add(stats)
-            extra = {**extra, "device": spec.device, **stats.to_dict()}
+            extra = {**extra, "device": spec.device, **stats.to_dict(), **_kernels(pipeline)}
             pipeline.then(lambda w=writer, sid=shard_id, x=extra: commit(w, sid, x))
         if hasattr(pipeline, "drain"):
             with tl.stage("drain"):

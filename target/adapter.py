@@ -60,19 +60,13 @@ def longest_window(config: Any, kinds: list[str]) -> int:
 
 
 def attention_for(model_config: Any, device: Any) -> str:
-    """Return the attention implementation extraction loads the target with: flash_attention_2 on CUDA where it is
-    installed and the model runs plain attention, sdpa where the model supports it, else eager (gpt-oss: its
-    attention sinks have no SDPA kernel)."""
-    cls = _causal_lm_class(model_config)
-    sdpa = bool(getattr(cls, "_supports_sdpa", True))
-    if device.type == "cuda" and sdpa and getattr(cls, "_supports_flash_attn", False):
-        try:
-            import flash_attn  # noqa: F401
+    """Return the attention implementation extraction loads the target with: the first kernels.attention_order
+    gives for its class, layer kinds and device (the runner's self-check then keeps it only if it is exact)."""
+    from .kernels import attention_order
 
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa" if sdpa else "eager"
+    cls = _causal_lm_class(model_config)
+    owner = cls if cls is not None else object()
+    return attention_order(owner, layer_kinds(text_config(model_config)), device)[0]
 
 
 def linear_attention_path() -> str | None:

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from . import kernels
+from .flops import forward_flops
 from .adapter import layer_kinds, linear_attention_path, longest_window, text_config, text_model
 
 __all__ = ["TargetRunner", "attention_backends", "pad_batch"]
@@ -49,7 +51,7 @@ class TargetRunner:
     grad_mode = staticmethod(torch.inference_mode)
 
     def __init__(self, model: Any, layer_ids: list[int], *, check: bool = True, check_length: int = 4096,
-                 cudnn_attention: bool = False) -> None:
+                 cudnn_attention: bool = False, choose_kernels: bool = True) -> None:
         where = getattr(getattr(model, "config", None), "_name_or_path", "") or "the target"
         text = text_model(model, where)
         cfg = text_config(text.config)
@@ -60,7 +62,10 @@ class TargetRunner:
         self.text = text
         if "linear_attention" in self.kinds:
             _log_linear_attention_path(cfg.model_type, text.embed_tokens.weight.device)
-        reference = self._reference(model, check_length) if check else None
+        # The attention and experts kernels: the fastest that equals the model's eager float32 forward (kernels.py),
+        # chosen and checked by the self-check; without it, whatever the model was loaded with.
+        self.kernels = kernels.current(model)
+        reference = self._reference(model, check_length, choose_kernels) if check else None
         # Drop what extract never runs, so its memory is free for bigger batches. The config is left whole: some
         # forwards read it for the layers they keep (Gemma 4's KV-shared layers count from the last one).
         text.layers = text.layers[: self.depth]
@@ -70,6 +75,7 @@ class TargetRunner:
         self._taken: dict[int, torch.Tensor] = {}
         for i in self.layer_ids:
             text.layers[i].register_forward_hook(self._take(i))
+        self.flops = forward_flops(text, self.kinds, cfg)  # what a forward costs, for the rates' MFU
         self.hidden_size = int(cfg.hidden_size)
         self.device = text.embed_tokens.weight.device
         self.dtype = text.embed_tokens.weight.dtype
@@ -111,21 +117,25 @@ class TargetRunner:
         ids[1, lengths[1]:] = 0
         return ids.to(self.text.embed_tokens.weight.device), lengths
 
-    def _reference(self, model: Any, check_length: int) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
+    def _reference(self, model: Any, check_length: int,
+                   choose_kernels: bool = True) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
         """Return the self-check's rows, their lengths and the full model's output_hidden_states of the captured
-        layers on the same rows, taken before the model is cut.
+        layers on the same rows, taken before the model is cut, in the kernels chosen for it (kernels.choose:
+        the fastest whose forward equals the model's eager float32 forward; choose_kernels=False keeps the
+        model's own and checks layers and positions only).
 
-        The same batch, so the same kernels on the same shapes: in bf16 a row run alone gives other roundings
-        (a Qwen3.6-27B-shaped random target on one H200: 3% at layer 31 between a padded row and the row alone),
-        which would refuse good targets. That padding never reaches a real token is what the causal kinds
-        guarantee and tests/test_targets.py checks for each in fp32, against every sample run alone.
+        The truncated runner is then compared with that forward in the same kernels and the same batch, so the
+        same roundings: in bf16 a row run alone gives other roundings (a Qwen3.6-27B-shaped random target on one
+        H200: 3% at layer 31 between a padded row and the row alone), which would refuse good targets. That
+        padding never reaches a real token is what the causal kinds guarantee and tests/test_targets.py checks
+        for each in fp32, against every sample run alone.
         """
         ids, lengths = self._check_ids(text_config(self.text.config), check_length)
-        kwargs = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
-        # The reference takes the attention kernels the runner takes: this checks layers and positions, not kernels.
-        with self.grad_mode(), attention_backends(ids.device, self.cudnn_attention):
-            states = model(input_ids=ids, use_cache=False, output_hidden_states=True, **kwargs).hidden_states
-            refs = [torch.stack([states[i + 1][b, :n] for i in self.layer_ids]) for b, n in enumerate(lengths)]
+        if choose_kernels:
+            dtype = str(self.text.embed_tokens.weight.dtype).removeprefix("torch.")
+            self.kernels, refs = kernels.choose(model, self.text, ids, lengths, self.layer_ids, self.kinds, dtype)
+        else:
+            refs = kernels.captured(kernels.model_states(model, ids, self.depth, lengths), self.layer_ids)
         return ids, lengths, refs
 
     def _compare(self, cfg: Any, ids: torch.Tensor, lengths: list[int], refs: list[torch.Tensor]) -> None:

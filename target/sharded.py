@@ -200,7 +200,9 @@ class ShardedRunner(TargetRunner):
         model.lm_head = torch.nn.Identity()
         self._kwargs = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
         self._cut = False
-        super().__init__(model, layer_ids, check=True, check_length=check_length)
+        # The model's own kernels, checked for layers and positions: kernels.choose would recast FSDP2's sharded
+        # weights to float32 for its reference, and each rank must run the same forwards in step.
+        super().__init__(model, layer_ids, check=True, check_length=check_length, choose_kernels=False)
         model.lm_head = torch.nn.Identity()
         self._cut = True
         _prefetch_next(self.text)

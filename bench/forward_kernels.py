@@ -1,0 +1,187 @@
+"""Benchmark of the target's forward at the GPU's speed (issue 44): `dflash extract` on random targets of real
+shapes, beside the same target's truncated forward in every kernel choice dflash would try, in one run, with the
+model FLOPs a token and the MFU of each.
+
+    source bench/device_env.sh && python3 bench/forward_kernels.py --work /tmp/fk [--case gpt_oss_20b,qwen3_30b_a3b]
+    python3 bench/forward_kernels.py --smoke --work /tmp/fk-smoke      # the same path on the CPU, tiny shapes
+
+Cases (bf16, one GPU, --layers auto):
+  gpt_oss_20b:    gpt-oss-20b-shaped (bench/targets.py): sliding 128 / full alternating, attention sinks, 32
+                  experts top-4; 2026-12-03's command ran it at 11,728 tok/s (eager attention), the goal is 3x that;
+  qwen3_30b_a3b:  Qwen3-30B-A3B-shaped qwen3_moe: hidden 2,048, 48 layers, 32/4 heads of dim 128, 128 experts
+                  top-8 of width 768, vocab 151,936;
+  deepseek_v3_cut: DeepSeek-V3-shaped (MLA: q rank 1,536, kv rank 512, nope 128 + rope 64, v 128; 128 heads;
+                  hidden 7,168; 3 dense layers of 18,432 then MoE of width 2,048, 1 shared expert, top-8), cut to
+                  fit one H200: 8 layers and 128 routed experts of the 256 (the per-token FLOPs are V3's);
+  qwen36_27b:     Qwen3.6-27B-shaped (bench/targets.py): 3 Gated DeltaNet : 1 gated full attention, dense.
+Each case runs
+  (1) `dflash extract --gpus 0` as a subprocess (bench/targets.py --child: the command's own entry point with a
+      random init on the GPU in place of the weights' load): its steady tok/s (first forward to last commit), the
+      kernels its self-check chose and its MFU line, from its log;
+  (2) in this process, the model's own truncated forward (TargetRunner.hidden, no self-check) over exactly the
+      batches the command ran, once per kernel choice (target/kernels.candidates: attention x experts), a cold
+      pass (flex compiles there) then a warm one, with its model FLOPs (target/flops.py) and MFU;
+and prints, per case: the command's tok/s and MFU, each kernel choice's warm tok/s and MFU, the command over the
+best forward, and the goals (MoE >= 35% MFU, dense >= 55%, the command >= 0.95 of the forward, gpt-oss >= 3 x
+11,728 tok/s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import extract as bx  # noqa: E402  (bench/extract.py: the data, the command's batches)
+import targets as bt  # noqa: E402  (bench/targets.py: the shapes, the folder, the command with a random target)
+
+CASES = {
+    "gpt_oss_20b": bt.CASES["gpt_oss_20b"],
+    "qwen3_30b_a3b": ("qwen3_moe", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, max_position_embeddings=40960,
+        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "deepseek_v3_cut": ("deepseek_v3", dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=8, first_k_dense_replace=3, num_attention_heads=128, num_key_value_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "qwen36_27b": bt.CASES["qwen36_27b"],
+}
+SMOKE = {
+    "gpt_oss_20b": bt.SMOKE["gpt_oss_20b"],
+    "qwen3_30b_a3b": dict(vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=8,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                          num_experts_per_tok=2, max_position_embeddings=4096),
+    "deepseek_v3_cut": dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                            n_group=2, topk_group=1, num_experts_per_tok=2, max_position_embeddings=4096),
+    "qwen36_27b": bt.SMOKE["qwen36_27b"],
+}
+MOE = ("gpt_oss_20b", "qwen3_30b_a3b", "deepseek_v3_cut")
+GOALS = {"moe_mfu": 0.35, "dense_mfu": 0.55, "command_over_forward": 0.95, "gpt_oss_tok_s": 3 * 11_728}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def command_figures(log: str) -> dict:
+    """Return what the command's log says of its kernels and its MFU (extract/perf.py's summary line)."""
+    chose = re.search(r"dflash\.target\.kernels: kernels: (.*?) \(checked", log)
+    passed = re.findall(r"dflash\.target\.kernels: (.*?): (?:differs|cannot run)", log)
+    mfu = re.search(r"MFU ([\d.]+)%", log)
+    per = re.search(r"target forward ([\d.]+ \w?)FLOP a token", log)
+    return {"kernels": chose.group(1) if chose else None, "passed_over": passed,
+            "mfu": float(mfu.group(1)) / 100 if mfu else None, "flop_a_token": per.group(1) if per else None}
+
+
+def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.device) -> list[dict]:
+    """Return, per kernel choice dflash would try for this target (target/kernels.candidates), the truncated
+    forward's cold and warm tok/s over the command's batches, its TFLOP/s and MFU (warm)."""
+    from dflash.extract.perf import device_peak
+    from dflash.target import kernels
+    from dflash.target.runner import TargetRunner
+
+    header, batches = bx.command_batches(folder, data, store, device)
+    model = bt.random_target(folder, device, torch.bfloat16)
+    runner = TargetRunner(model, header["layer_ids"], check=False)
+    tokens = sum(sum(lens) for _, lens in batches)
+    flops = sum(runner.flops.total(lens) for _, lens in batches)
+    name, peak = device_peak(str(device))
+    out = []
+    for k in kernels.candidates(model, runner.kinds, device):
+        row = {"kernels": str(k), "tokens": tokens, "flops_per_token": round(flops / tokens)}
+        try:
+            kernels.apply(model, k)
+            for name_ in ("cold", "warm"):
+                bx.settle()
+                _sync(device)
+                t0 = time.perf_counter()
+                for ids, _ in batches:
+                    runner.hidden(ids.to(device, non_blocking=True))
+                _sync(device)
+                row[f"{name_}_tok_s"] = round(tokens / (time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001 - out of memory (batched experts), a kernel this machine lacks
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            out.append(row)
+            print(json.dumps(row), flush=True)
+            continue
+        rate = flops * row["warm_tok_s"] / tokens
+        row["tflops_per_s"] = round(rate / 1e12, 2)
+        row["mfu"] = round(rate / peak, 4) if peak else None
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    del runner, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
+    """Return the command's and each kernel choice's figures of one case."""
+    work, folder, data = bt.prepare_case(name, CASES[name], SMOKE[name] if args.smoke else None, args)
+    cmd, _ = bt.extract_run(folder, data, work, "cpu" if args.smoke else "0", [], "")
+    said = command_figures((work / "extract.log").read_text())
+    forwards = forward_by_kernels(folder, data, work / "store", device)
+    done = [f for f in forwards if "warm_tok_s" in f]
+    best = max(done, key=lambda f: f["warm_tok_s"]) if done else None
+    out = {"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
+                                     **said}, "forwards": forwards, "best": best}
+    if best:
+        out["command_over_best_forward"] = round(cmd["steady_tok_s"] / best["warm_tok_s"], 3)
+    return out
+
+
+def verdict(r: dict) -> str:
+    """Return a case's line beside the goals."""
+    c, best = r["command"], r["best"] or {}
+    goal = GOALS["moe_mfu"] if r["case"] in MOE else GOALS["dense_mfu"]
+    mfu = c["mfu"]
+    parts = [f"{r['case']}: extract {c['steady_tok_s']:,.0f} tok/s, MFU "
+             + (f"{100 * mfu:.1f}% (goal {100 * goal:.0f}%: {'met' if mfu >= goal else 'NOT met'})"
+                if mfu is not None else "unknown (no peak for this device)"),
+             f"kernels {c['kernels']}" + (f" (passed over: {'; '.join(c['passed_over'])})" if c["passed_over"] else "")]
+    if best:
+        ratio = r["command_over_best_forward"]
+        parts.append(f"best forward {best['kernels']} {best['warm_tok_s']:,} tok/s"
+                     + (f" MFU {100 * best['mfu']:.1f}%" if best.get("mfu") is not None else "")
+                     + f"; extract / forward {ratio} (goal {GOALS['command_over_forward']})")
+    if r["case"] == "gpt_oss_20b":
+        parts.append(f"vs 2026-12-03's 11,728 tok/s: {c['steady_tok_s'] / 11_728:.2f}x (goal 3x)")
+    return "; ".join(parts)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        return bt.child(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("bench-forward-kernels-out"))
+    ap.add_argument("--case", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
+    ap.add_argument("--tokens", type=int, default=150_000, help="tokens of conversations per case")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (check the script first)")
+    ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    args = ap.parse_args()
+    if args.smoke:
+        args.tokens = min(args.tokens, 6_000)
+    device = torch.device("cpu" if args.smoke else "cuda:0")
+    results = bt.run_cases(run_case, args, device)
+    for r in results:
+        print(verdict(r), flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Which attention and experts kernels run the target, chosen per target and device and checked against the
+model's own eager float32 forward: the fastest exact path for every layer kind.
+
+Candidates come from what transformers offers (`attn_implementation`, `experts_implementation`), never a Hub
+kernel (`use_kernels` stays off): on CUDA flash_attention_2 where flash-attn is installed and the model runs SDPA,
+flex_attention for sliding windows and attention sinks (its block mask skips what a window hides; the sinks enter
+its softmax through the log-sum-exp), SDPA, then eager; grouped GEMMs for the experts, then transformers' loop over
+experts. On the CPU flex does not take sinks, so there it is SDPA where the model supports it, else eager.
+
+The check (`choose`) runs the full model once in float32 with eager attention and experts (each decoder layer
+upcast in turn, so the check needs one layer's float32 copy, not the model's), then each candidate in the run's
+dtype, in order, and keeps the first whose layers' updates differ from that reference's by no more than the
+dtype's rounding (relative_error): within `TOLERANCE`, or within twice the eager kernels' own in the same dtype (a
+deep bf16 stack drifts from float32 by itself). A candidate that differs more, or fails to run, is logged
+and the next one is tried; eager is the model's own forward and always last.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+__all__ = ["Kernels", "TOLERANCE", "has_experts", "current", "attention_order", "candidates", "apply", "model_states",
+           "eager_float32_states", "captured", "relative_error", "choose"]
+
+log = logging.getLogger(__name__)
+
+# The largest difference a kernel may show against the eager float32 forward in what a decoder layer adds to the
+# residual stream (relative_error), by the dtype the run computes in. float32 kernels agree to ~1e-6;
+# one bf16 rounding is 2**-9 relative, and a layer's update comes out of a residual stream it may be small beside,
+# so bf16 is allowed 2e-2, or twice what the model's own eager kernels show in bf16 where that is more. A kernel
+# that loses a window, the sinks or the routing weights changes the updates of every token it touches: tens of %.
+TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The attention implementation and the experts implementation (None: the target has no experts) a target
+    runs with."""
+
+    attention: str
+    experts: str | None = None
+
+    def to_dict(self) -> dict[str, str | None]:
+        return {"attention": self.attention, "experts": self.experts}
+
+    def __str__(self) -> str:
+        return f"attention {self.attention}" + (f", experts {self.experts}" if self.experts else "")
+
+
+def has_experts(model: Any) -> bool:
+    """Return True if the model has mixture-of-experts layers whose implementation transformers can switch."""
+    # transformers' use_experts_implementation decorator gives every experts module these attributes.
+    return any(hasattr(m, "is_concatenated") and hasattr(m, "has_gate") for m in model.modules())
+
+
+def current(model: Any) -> Kernels:
+    """Return the kernels the model runs with now (what its config says)."""
+    cfg = model.config
+    if not has_experts(model):
+        return Kernels(str(cfg._attn_implementation))
+    # None: transformers' default, grouped GEMMs
+    return Kernels(str(cfg._attn_implementation), getattr(cfg, "_experts_implementation", None) or "grouped_mm")
+
+
+def _flash_attn_installed() -> bool:
+    from importlib import util
+
+    return util.find_spec("flash_attn") is not None
+
+
+def attention_order(owner: Any, kinds: list[str], device: Any) -> list[str]:
+    """Return the attention implementations to try for a model class (or model) on a device, fastest first,
+    eager last. kinds: the layer kinds it runs (adapter.layer_kinds).
+
+    A model that does not run SDPA has attention SDPA cannot take (gpt-oss: sinks): flash-attn, which has no
+    sinks either, is not tried there; flex is, since its softmax takes the sinks through its log-sum-exp on CUDA.
+    Full attention alone stays on SDPA (its flash kernel, no mask at all), windows go to flex, whose block mask
+    skips what they hide (SDPA is handed a dense mask and computes every pair).
+    """
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    sdpa = bool(getattr(owner, "_supports_sdpa", False))
+    flex = bool(getattr(owner, "_supports_flex_attn", False))
+    flash = bool(getattr(owner, "_supports_flash_attn", False))
+    order: list[str] = []
+    if cuda and sdpa and flash and _flash_attn_installed():
+        order.append("flash_attention_2")
+    if cuda and flex and ("sliding_attention" in kinds or not sdpa):
+        order.append("flex_attention")
+    if sdpa:
+        order.append("sdpa")
+    return order + ["eager"]
+
+
+def candidates(model: Any, kinds: list[str], device: Any) -> list[Kernels]:
+    """Return the kernels to try for a loaded target on a device, fastest first (attention_order, each with
+    grouped GEMMs for the experts, then transformers' loop over them); the last is eager attention and experts."""
+    experts = ["grouped_mm", "eager"] if has_experts(model) else [None]
+    return [Kernels(a, e) for a in attention_order(model, kinds, device) for e in experts]
+
+
+def apply(model: Any, kernels: Kernels) -> None:
+    """Switch the model to the kernels (transformers' set_attn_implementation / set_experts_implementation);
+    ValueError or ImportError when this model or machine cannot run them."""
+    now = current(model)
+    if now.attention != kernels.attention:
+        model.set_attn_implementation(kernels.attention)
+    if kernels.experts is not None and now.experts != kernels.experts:
+        model.set_experts_implementation(kernels.experts)
+
+
+@contextlib.contextmanager
+def _upcast(model: Any, layers: Any) -> Iterator[None]:
+    """Run every module in float32 while it runs, and in its own dtype again after: each decoder layer whole (its
+    parts may read each other's weights), every other module by its own parameters and buffers.
+
+    bf16 -> float32 -> bf16 is exact, so the weights come back bit for bit; at most one layer is float32 at a time.
+    """
+    import torch
+
+    cast: dict[int, Any] = {}  # id(tensor holder) -> its original data, while upcast
+
+    def up(tensors: list[Any]) -> list[Any]:
+        done = []
+        for t in tensors:
+            if t is not None and t.is_floating_point() and t.dtype != torch.float32 and id(t) not in cast:
+                cast[id(t)] = t.data
+                t.data = t.data.float()
+                done.append(t)
+        return done
+
+    def hooks(module: Any, own: bool) -> list[Any]:
+        stack: list[list[Any]] = []
+
+        def pre(m: Any, args: Any) -> None:
+            stack.append(up(list(m.parameters(recurse=not own)) + list(m.buffers(recurse=not own))))
+
+        def post(m: Any, args: Any, out: Any) -> None:
+            for t in stack.pop():
+                t.data = cast.pop(id(t))
+
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    handles = [h for layer in layers for h in hooks(layer, own=False)]
+    handles += [h for m in model.modules() if id(m) not in inside and m is not model for h in hooks(m, own=True)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for t in [t for t in list(model.parameters()) + list(model.buffers()) if id(t) in cast]:
+            t.data = cast.pop(id(t))  # a forward that failed half-way: every weight back in its own dtype
+
+
+def model_states(model: Any, ids: Any, depth: int, lengths: list[int]) -> list[Any]:
+    """Return, per row, the full model's output_hidden_states 0..depth (the embeddings, then every decoder
+    layer's output up to the deepest run) on its real tokens [depth + 1, n, H]."""
+    import torch
+
+    from .runner import _accepts, attention_backends
+
+    kwargs = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    with torch.no_grad(), attention_backends(ids.device):
+        states = model(input_ids=ids, use_cache=False, output_hidden_states=True, **kwargs).hidden_states
+        return [torch.stack([states[j][b, :n] for j in range(depth + 1)]) for b, n in enumerate(lengths)]
+
+
+def captured(states: list[Any], layer_ids: list[int]) -> list[Any]:
+    """Return model_states' rows cut to the captured layers' outputs [len(layer_ids), n, H] (layer i: state i + 1)."""
+    return [s[[i + 1 for i in layer_ids]] for s in states]
+
+
+def eager_float32_states(model: Any, text: Any, ids: Any, depth: int, lengths: list[int]) -> list[Any]:
+    """Return the model's own eager float32 forward on the rows (as model_states), whatever dtype it is loaded in; the
+    model is left in eager kernels."""
+    apply(model, Kernels("eager", "eager" if has_experts(model) else None))
+    with _upcast(model, text.layers):
+        return [s.float() for s in model_states(model, ids, depth, lengths)]
+
+
+def relative_error(got: list[Any], want: list[Any]) -> tuple[float, int, int]:
+    """Return how far what each decoder layer adds to the residual stream (its output minus its input) differs
+    between `got` and `want`: per layer and row, the 90th percentile over tokens of each token's difference over
+    the row's RMS update; the largest over layers and rows, with the layer and row where it is.
+
+    A layer's own update, not its output: the residual stream can dwarf it (a routing that ignored its weights
+    moved a tiny MoE target's layer outputs by 1e-3, their updates by tens of percent). A percentile, not the
+    mean: a token whose top-k experts tie within rounding is routed otherwise in another dtype or kernel, and
+    changes its own update wholly; a kernel that is wrong changes every token it touches (every token past a
+    window: the check's first row is longer than the window by a fifth at least).
+    """
+    import torch
+
+    worst = (0.0, 0, 0)
+    for b, (g, w) in enumerate(zip(got, want)):
+        g, w = g.float(), w.float()
+        for j in range(g.shape[0] - 1):
+            ref = w[j + 1] - w[j]
+            scale = ref.norm(dim=-1).pow(2).mean().sqrt() + 1e-12
+            per_token = ((g[j + 1] - g[j]) - ref).norm(dim=-1) / scale
+            err = float(torch.quantile(per_token, 0.9)) if per_token.numel() > 1 else float(per_token.max())
+            if not err <= worst[0]:  # NaN counts as the worst
+                worst = (err, j, b)
+    return worst
+
+
+def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[int], kinds: list[str],
+           dtype: str) -> tuple[Kernels, list[Any]]:
+    """Return the first candidate kernels whose forward equals the eager float32 forward within the dtype's
+    rounding (the model is left running them), and that forward's captured states on the rows (what the
+    truncated runner is then checked against). Logs the choice, and every candidate it passed over and why."""
+    depth = max(layer_ids) + 1
+    rows = f"{len(lengths)} rows of up to {max(lengths)} tokens"
+    options = candidates(model, kinds, ids.device)
+    against = "the model's eager float32 forward"
+    try:
+        ref = eager_float32_states(model, text, ids, depth, lengths)
+    except Exception as e:  # noqa: BLE001 - e.g. a layer too large to upcast on this device: the dtype's own eager
+        against = f"the model's eager {dtype} forward"
+        log.warning("the eager float32 reference cannot run here (%s: %s): kernels are checked against %s instead",
+                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", against)
+        apply(model, options[-1])
+        ref = model_states(model, ids, depth, lengths)
+    tol = TOLERANCE.get(dtype, TOLERANCE["bfloat16"])
+    eager_err: float | None = None
+    for n, k in enumerate(options):
+        last = n == len(options) - 1
+        try:
+            apply(model, k)
+            got = model_states(model, ids, depth, lengths)
+        except Exception as e:  # noqa: BLE001 - a kernel this model, machine or shape cannot run: the next one
+            log.warning("%s: cannot run here (%s: %s); trying %s", k, type(e).__name__,
+                        str(e).splitlines()[0][:200] if str(e) else "", options[n + 1] if not last else "nothing")
+            if last:
+                raise
+            continue
+        err, layer, row = relative_error(got, ref)
+        bound = tol
+        if not err <= tol and dtype != "float32" and not last:
+            if eager_err is None:  # how far the model's own kernels drift in this dtype: the rounding to allow
+                apply(model, options[-1])
+                eager_err = relative_error(model_states(model, ids, depth, lengths), ref)[0]
+                apply(model, k)
+            bound = max(tol, 2 * eager_err)
+        if err <= bound or last:
+            log.info("kernels: %s (checked against %s on %s: each layer's update within %.2g of it, 90th "
+                     "percentile token over the RMS)", k, against, rows, err)
+            return k, captured(got, layer_ids)
+        log.warning("%s: differs from %s by %.3g (layer %d's update, row %d, 90th percentile token over the RMS; "
+                    "%s rounding allows %.2g): not used; trying %s", k, against, err, layer, row, dtype, bound,
+                    options[n + 1])
+    raise AssertionError("the last candidate is always taken")  # pragma: no cover

@@ -1,0 +1,222 @@
+"""target/kernels.py: the attention and experts kernels chosen per target and device, the self-check against the
+model's eager float32 forward, and the fallback (logged, recorded in the header and every commit record) when a
+kernel differs: real tiny targets, real kernels registered through transformers' own interfaces."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from dflash.target import kernels
+from dflash.target.kernels import Kernels
+from dflash.tests.tiny_targets import TINY_WINDOW
+from test_targets import LAYERS, _extract, conversations, tiny_target  # noqa: F401
+from test_extract_run import one_torch_thread  # noqa: F401
+
+
+@pytest.mark.parametrize("arch, device, want", [
+    ("gpt_oss", "cuda", ["flex_attention", "eager"]),  # sinks: no SDPA; flex takes them on CUDA
+    ("gpt_oss", "cpu", ["eager"]),  # flex with sinks does not run on the CPU
+    ("mistral", "cuda", ["flex_attention", "sdpa", "eager"]),  # windows: flex skips the hidden blocks
+    ("mistral", "cpu", ["sdpa", "eager"]),
+    ("qwen3", "cuda", ["sdpa", "eager"]),  # full attention alone: SDPA's flash kernel, no mask
+    ("deepseek_v3", "cuda", ["sdpa", "eager"]),
+])
+def test_the_attention_order_per_target_and_device(arch, device, want, tiny_target, monkeypatch):  # noqa: F811
+    from transformers import AutoConfig
+
+    from dflash.target.adapter import _causal_lm_class, attention_for, layer_kinds, text_config
+
+    monkeypatch.setattr(kernels, "_flash_attn_installed", lambda: False)
+    config = AutoConfig.from_pretrained(tiny_target(arch))
+    cls = _causal_lm_class(config)
+    assert kernels.attention_order(cls, layer_kinds(text_config(config)), torch.device(device)) == want
+    assert attention_for(config, torch.device(device)) == want[0]
+
+
+def _load(path, dtype=torch.float32):
+    from dflash.target.load import load_for_features
+
+    return load_for_features(path, torch.device("cpu"), dtype)
+
+
+def test_moe_targets_try_grouped_gemms_then_the_loop_and_dense_ones_have_no_experts(tiny_target):  # noqa: F811
+    moe, dense = _load(tiny_target("qwen3_moe")), _load(tiny_target("qwen3"))
+    assert kernels.candidates(moe, ["full_attention"], "cpu") == [
+        Kernels("sdpa", "grouped_mm"), Kernels("sdpa", "eager"), Kernels("eager", "grouped_mm"),
+        Kernels("eager", "eager")]
+    assert kernels.candidates(dense, ["full_attention"], "cpu") == [Kernels("sdpa"), Kernels("eager")]
+
+
+def test_the_float32_reference_of_a_bf16_target_is_its_float32_forward_and_leaves_it_bit_exact(tiny_target):  # noqa: F811
+    from dflash.target.adapter import text_model
+
+    model = _load(tiny_target("gpt_oss"), torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 200, (2, 3 * TINY_WINDOW))
+    got = kernels.eager_float32_states(model, text_model(model), ids, 5, [3 * TINY_WINDOW, 11])
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    # The same weights, made float32 whole: the upcast one layer at a time computes the same forward.
+    model32 = _load(tiny_target("gpt_oss"), torch.bfloat16).float()
+    want = kernels.model_states(model32, ids, 5, [3 * TINY_WINDOW, 11])
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32 and torch.allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def _register_wrong_kernels():
+    """Register, through transformers' own interfaces, an attention that ignores the sliding window (the whole
+    causal prefix instead) and experts that ignore the routing weights: real kernels that run, and are wrong."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    def no_window(module, query, key, value, attention_mask, **kwargs):
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+    def unweighted(self, hidden_states, top_k_index, top_k_weights):
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, torch.ones_like(top_k_weights))
+
+    AttentionInterface.register("test_no_window", no_window)
+    AttentionMaskInterface.register("test_no_window", sdpa_mask)
+    ALL_EXPERTS_FUNCTIONS.register("test_unweighted", unweighted)
+
+
+@pytest.mark.parametrize("arch, first, chosen", [
+    ("mistral", Kernels("test_no_window"), Kernels("sdpa")),
+    ("qwen3_moe", Kernels("sdpa", "test_unweighted"), Kernels("sdpa", "grouped_mm")),
+])
+def test_a_kernel_that_differs_is_not_used_and_the_run_says_so(arch, first, chosen, tiny_target, conversations,  # noqa: F811
+                                                             tmp_path, capsys, monkeypatch, one_torch_thread):  # noqa: F811
+    from dflash.storage import Store
+    from test_extract_run import store_samples
+    from transformers import AutoModelForCausalLM
+
+    _register_wrong_kernels()
+    real = kernels.candidates
+    monkeypatch.setattr(kernels, "candidates", lambda model, kinds, device: [first] + real(model, kinds, device))
+    store = tmp_path / "store"
+    done = _extract(capsys, tiny_target(arch), conversations, store)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stderr
+    assert f"{first}: differs from the model's eager float32 forward by" in said and f"trying {chosen}" in said
+    assert f"kernels: {chosen} (checked against the model's eager float32 forward" in said
+    header = Store.open(str(store)).header
+    assert header["kernels"] == chosen.to_dict() and "kernels" in header["informational"]
+    records = list((store / "commits").glob("*.json"))
+    assert records and all(json.loads(r.read_text())["extra"]["kernels"] == chosen.to_dict() for r in records)
+    # And the features are the full model's (float32: within one bf16 rounding step once stored).
+    full = AutoModelForCausalLM.from_pretrained(tiny_target(arch), dtype=torch.float32).eval()
+    for ids, _, bits in store_samples(store).values():
+        with torch.no_grad():
+            states = full(input_ids=torch.as_tensor(ids, dtype=torch.long)[None], output_hidden_states=True)
+        want = torch.stack([states.hidden_states[i + 1][0] for i in LAYERS], dim=1)
+        got = torch.from_numpy(bits).view(torch.bfloat16).float()
+        assert ((got - want).abs() <= 2.0**-7 * want.abs() + 1e-6).all()
+
+
+def test_a_bf16_run_allows_the_drift_its_own_eager_kernels_show(tiny_target, caplog):  # noqa: F811
+    """In bf16 a kernel is compared with the eager float32 forward: past the fixed bound, it is still taken when it
+    drifts no more than twice the model's own eager kernels in bf16 (the dtype's rounding, not the kernel)."""
+    from dflash.target.adapter import text_model
+
+    model = _load(tiny_target("qwen3_moe"), torch.bfloat16)
+    ids = torch.randint(0, 200, (2, 96))
+    lengths = [96, 51]
+    ref = kernels.eager_float32_states(model, text_model(model), ids, 5, lengths)
+    kernels.apply(model, Kernels("eager", "eager"))
+    eager = kernels.relative_error(kernels.model_states(model, ids, 5, lengths), ref)[0]
+    assert 0 < eager < kernels.TOLERANCE["bfloat16"]
+    tight = {**kernels.TOLERANCE, "bfloat16": eager / 100}  # every bf16 kernel is past it
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.INFO, logger="dflash"):
+        mp.setattr(kernels, "TOLERANCE", tight)
+        chosen, _ = kernels.choose(model, text_model(model), ids, lengths, list(LAYERS), ["full_attention"], "bfloat16")
+    assert chosen == Kernels("sdpa", "grouped_mm"), caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gpt_oss", "mistral", "qwen3_moe", "deepseek_v3", "gemma3_text"])
+def test_on_cuda_the_fastest_kernels_are_exact_and_taken(arch, tiny_target, caplog):  # noqa: F811
+    """On CUDA in bf16 the first candidate (flex for sinks and windows, grouped GEMMs for experts) passes the
+    self-check on rows longer than every window, and the cut runner's features equal the eager float32 model's."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.target.load import load_for_features
+    from dflash.target.runner import TargetRunner
+
+    dev = torch.device("cuda")
+    model = load_for_features(tiny_target(arch), dev, torch.bfloat16)
+    from dflash.target.adapter import layer_kinds, text_config, text_model
+
+    kinds = layer_kinds(text_config(text_model(model).config))[: max(LAYERS) + 1]
+    first = kernels.candidates(model, kinds, dev)[0]
+    with caplog.at_level(logging.WARNING, logger="dflash"):
+        runner = TargetRunner(model, list(LAYERS), check_length=4 * TINY_WINDOW)
+    assert runner.kernels.attention == first.attention and not caplog.records, caplog.text
+    assert runner.kernels.attention != "eager" and runner.kernels.experts in (None, "grouped_mm")
+    full = AutoModelForCausalLM.from_pretrained(tiny_target(arch), dtype=torch.float32, attn_implementation="eager")
+    full = full.to(dev).eval()
+    ids = torch.randint(0, 200, (1, 5 * TINY_WINDOW), device=dev)
+    got = runner.hidden(ids)
+    with torch.no_grad():
+        states = full(input_ids=ids, output_hidden_states=True).hidden_states
+    for g, i in zip(got, LAYERS):
+        want = states[i + 1]
+        assert float((g.float() - want).norm() / want.norm()) < 0.05, (arch, i)
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_where_the_float32_reference_cannot_run_the_kernels_are_checked_against_eager_in_the_runs_dtype(
+        tiny_target, monkeypatch):  # noqa: F811
+    """A layer too large to upcast on its device (injected here: the upcast fails as an out-of-memory would): the
+    check falls back to the model's own eager kernels in the run's dtype, and says so."""
+    import contextlib
+
+    from dflash.target.runner import TargetRunner
+
+    @contextlib.contextmanager
+    def no_room(model, layers):
+        raise RuntimeError("out of memory (injected)")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(kernels, "_upcast", no_room)
+    said, logger = _Said(), logging.getLogger("dflash.target.kernels")
+    logger.addHandler(said)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        runner = TargetRunner(_load(tiny_target("mistral"), torch.bfloat16), list(LAYERS), check_length=96)
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
+    assert any("the eager float32 reference cannot run here (RuntimeError: out of memory (injected))" in s
+               for s in said.lines), said.lines
+    assert any(s.startswith(f"kernels: {runner.kernels} (checked against the model's eager bfloat16 forward")
+               for s in said.lines), said.lines
+
+
+def test_one_token_routed_otherwise_is_rounding_and_a_lost_window_is_not() -> None:
+    """relative_error on states made by hand: a layer update that differs wholly on one token of 100 (a tie
+    between experts broken the other way) stays within bf16's bound; one that differs on the 20 past a window
+    does not."""
+    g = torch.Generator().manual_seed(0)
+    want = [torch.randn(3, 100, 16, generator=g)]
+    one = [want[0].clone()]
+    one[0][2, 7] += torch.randn(16, generator=g) * 3
+    window = [want[0].clone()]
+    window[0][2, 80:] += torch.randn(20, 16, generator=g)
+    assert kernels.relative_error(want, want) == (0.0, 0, 0)
+    assert kernels.relative_error(one, want)[0] < kernels.TOLERANCE["bfloat16"]
+    err, layer, row = kernels.relative_error(window, want)
+    assert err > 0.5 and (layer, row) == (1, 0)

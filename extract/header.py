@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..config import ExtractConfig
 
 __all__ = ["resolve_mask_token", "resolve_layers", "captured_depth", "build_header",
-           "tokenizer_hash", "target_fingerprint", "in_form_of"]
+           "tokenizer_hash", "target_fingerprint", "in_form_of", "resume_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,16 @@ def target_fingerprint(model_dir: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def resume_plan(header: dict[str, Any], stored: dict[str, Any] | None, asked: int | None) -> dict[str, Any]:
+    """Return the header with the stored store's shard plan when no --shard-size was asked for and it plans the
+    same rows: the default depends on where the weights run (a sharded run's shards hold two of its batches), and a
+    store resumed elsewhere keeps the shards it has."""
+    plan = (stored or {}).get("shard_plan")
+    if asked is None and isinstance(plan, dict) and plan.get("num_rows") == header["shard_plan"].get("num_rows"):
+        return {**header, "shard_plan": plan}
+    return header
+
+
 def in_form_of(header: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
     """Return this run's header in the form of an existing store written by an older dflash, when it is one.
 
@@ -175,16 +185,17 @@ def in_form_of(header: dict[str, Any], stored: dict[str, Any] | None) -> dict[st
 
 
 def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, template: str,
-                 scan: RowScan) -> dict[str, Any]:
-    """Return the header this run's store must have (scan: plan.scan_rows of the data); any difference from an
-    existing store is a mismatch."""
+                 scan: RowScan, min_shard_tokens: int = 0) -> dict[str, Any]:
+    """Return the header this run's store must have (scan: plan.scan_rows of the data; min_shard_tokens: the
+    fewest tokens a default shard holds); any difference from an existing store is a mismatch."""
     text = text_config(model_config)  # a multimodal wrapper's language model keeps these fields nested
     num_layers = int(text.num_hidden_layers)
     layer_ids = resolve_layers(cfg.layers, num_layers)
     hidden = int(text.hidden_size)
     mask = resolve_mask_token(int(text.vocab_size), len(tokenizer), cfg.mask_token_id, cfg.model)
     num_rows = len(scan.tokens)
-    shard_size = cfg.shard_size or default_shard_size(scan.tokens_per_row(), len(layer_ids) * hidden * 2)
+    shard_size = cfg.shard_size or default_shard_size(scan.tokens_per_row(), len(layer_ids) * hidden * 2,
+                                                      min_tokens=min_shard_tokens)
     files = input_files(cfg.data)
     config_file = Path(cfg.model) / "config.json"
     archs = getattr(model_config, "architectures", None) or [type(model_config).__name__]

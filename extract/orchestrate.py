@@ -284,7 +284,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
     """Return the run summary (run()'s, once the device, the dtype and the model's files are known)."""
     from ..errors import DflashError
     from ..storage import Store
-    from .header import build_header, in_form_of
+    from .header import build_header, in_form_of, resume_plan
     from .plan import scan_rows
     from .progress import Progress, format_summary, summarise
     from .template import load_template
@@ -303,7 +303,10 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
         scan = scan_rows(rows, cfg.max_length, cfg.strict)  # the one pass that parses every row here
         report_bad_rows(scan.bad)
         _require_usable(scan.bad, len(rows), cfg.data)
-        header = in_form_of(build_header(cfg, model_config, tokenizer, template, scan), stored)
+        # A sharded or offloaded target's default shards hold two of its batches (a forward never spans two).
+        min_tokens = 2 * placement.batch_tokens if placement is not None and placement.sharded else 0
+        header = build_header(cfg, model_config, tokenizer, template, scan, min_shard_tokens=min_tokens)
+        header = in_form_of(resume_plan(header, stored, cfg.shard_size), stored)
         # The pinned host buffers are page-locked on a thread from here, beside the target's load.
         buffers = host_buffers(cfg, header, devices[0]) if loader is not None else None
         plan = _plan(cfg, header, rows, scan, devices)

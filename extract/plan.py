@@ -2,6 +2,8 @@
 behind it: shard ranges of source rows, the shard size, where each worker starts claiming, token-budget batches."""
 from __future__ import annotations
 
+import math
+
 import shutil
 from array import array
 from collections.abc import Iterable, Sequence
@@ -157,11 +159,18 @@ def make_plan(header: dict[str, Any], rows: Sequence[Row], scan: RowScan, commit
                           free_path=free_path, free_bytes=free_bytes, device=devices[0], devices=len(devices))
 
 
-def default_shard_size(mean_tokens_per_row: float, bytes_per_token: int, target_bytes: int = TARGET_SHARD_BYTES) -> int:
-    """Return the source rows per shard that give about target_bytes of raw features (at least 1 row)."""
+def default_shard_size(mean_tokens_per_row: float, bytes_per_token: int, target_bytes: int = TARGET_SHARD_BYTES,
+                       min_tokens: int = 0) -> int:
+    """Return the source rows per shard that give about target_bytes of raw features, and at least min_tokens
+    tokens (at least 1 row).
+
+    A forward never spans two shards: min_tokens keeps the batches of a sharded or offloaded target (64K tokens,
+    where streaming the weights costs little) from being cut to a shard's 2 GiB (41K tokens of a 5,120-wide
+    target's features)."""
     if mean_tokens_per_row <= 0 or bytes_per_token <= 0:
         raise ValueError("mean_tokens_per_row and bytes_per_token must be positive")
-    return max(1, int(target_bytes // (mean_tokens_per_row * bytes_per_token)))
+    rows = int(target_bytes // (mean_tokens_per_row * bytes_per_token))
+    return max(1, rows, math.ceil(min_tokens / mean_tokens_per_row))
 
 
 def shard_ranges(num_rows: int, shard_size: int) -> list[tuple[int, int]]:

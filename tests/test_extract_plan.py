@@ -29,6 +29,21 @@ def test_default_shard_size_is_about_two_gb():
     assert default_shard_size(1e9, 10) == 1
 
 
+def test_a_sharded_targets_shards_hold_two_of_its_batches_and_a_resumed_store_keeps_its_plan():
+    from dflash.extract.header import resume_plan
+
+    # A 5,120-wide target's features (51,200 bytes a token): 2 GiB is 41,943 tokens, less than one 64K batch.
+    assert default_shard_size(1500, 51200) * 1500 < 65536
+    assert default_shard_size(1500, 51200, min_tokens=2 * 65536) * 1500 >= 2 * 65536
+    assert default_shard_size(1500, 5 * 4096 * 2, min_tokens=1000) == default_shard_size(1500, 5 * 4096 * 2)
+    new = {"shard_plan": {"num_rows": 100, "rows_per_shard": 7, "num_shards": 15}}
+    old = {"shard_plan": {"num_rows": 100, "rows_per_shard": 20, "num_shards": 5}}
+    assert resume_plan(new, old, None)["shard_plan"] == old["shard_plan"]  # the store's own shards
+    assert resume_plan(new, old, 7) == new  # --shard-size asked: compared, and refused if it differs
+    assert resume_plan(new, None, None) == new
+    assert resume_plan(new, {"shard_plan": {**old["shard_plan"], "num_rows": 99}}, None) == new  # other data
+
+
 @given(
     lengths=st.lists(st.integers(1, 512), min_size=0, max_size=80),
     budget=st.integers(512, 4096),

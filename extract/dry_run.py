@@ -72,11 +72,13 @@ class _Keep:
 
 def _encoded_bytes(bits: np.ndarray, codec: str) -> int:
     """Return the stored bytes of one whole feature chunk (bf16 bits) as the store's writer encodes it."""
-    from ..storage.codec import encode_chunk, to_fp8
+    from ..storage.codec import TRIM_BITS, encode_chunk, to_fp8, trim_mantissa
 
     if codec == "fp8":
         q, scales = to_fp8(bits)
         return len(memoryview(encode_chunk(q, True)).cast("B")) + len(memoryview(encode_chunk(scales, True)).cast("B"))
+    if codec in TRIM_BITS:
+        return len(memoryview(encode_chunk(trim_mantissa(bits, TRIM_BITS[codec]), True, "bitshuffle")).cast("B"))
     return len(memoryview(encode_chunk(bits, codec != "none")).cast("B"))
 
 

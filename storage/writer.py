@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import StoreError
 from . import claims
 from .fs import StoreFS
-from .codec import array_metadata, encode_chunk, feature_dtype, to_fp8
+from .codec import TRIM_BITS, array_metadata, chunk_shuffle, encode_chunk, feature_dtype, to_fp8, trim_mantissa
 from .layout import FORMAT_VERSION, commit_path, dumps, group_metadata, header_digest, record_digest, shard_dir
 
 __all__ = ["ShardWriter", "features_to_bits"]
@@ -140,6 +140,8 @@ class ShardWriter:
         i = self._chunk_index
         if self._fp8:
             self._pending.append(self._pool.submit(self._write_fp8_chunk, i, self._chunk))
+        elif self.codec in TRIM_BITS:
+            self._pending.append(self._pool.submit(self._write_trimmed_chunk, i, self._chunk))
         else:
             self._submit(f"features/c.{i}.0.0", self._chunk)
         self._chunk_index += 1
@@ -158,11 +160,14 @@ class ShardWriter:
         self._write_chunk(f"features/c.{i}.0.0", q)
         self._write_chunk(f"feature_scales/c.{i}.0", scales)
 
-    def _write_chunk(self, rel: str, arr: np.ndarray) -> None:
+    def _write_trimmed_chunk(self, i: int, bits: np.ndarray) -> None:
+        self._write_chunk(f"features/c.{i}.0.0", trim_mantissa(bits, TRIM_BITS[self.codec]), "bitshuffle")
+
+    def _write_chunk(self, rel: str, arr: np.ndarray, shuffle: str = "shuffle") -> None:
         import xxhash
 
         t0 = time.perf_counter()
-        data = encode_chunk(arr, self._compressed)
+        data = encode_chunk(arr, self._compressed, shuffle)
         t1 = time.perf_counter()
         path = f"{self._dir}/{rel}"
         try:
@@ -231,6 +236,8 @@ class ShardWriter:
         if self._fp8:
             arrays["feature_scales"] = {"shape": [T, L], "chunk_shape": [C, L], "dtype": "float32"}
         feature_attrs = {"logical_dtype": "bfloat16", "encoding": "bf16_bits"}
+        if self.codec in TRIM_BITS:
+            feature_attrs["mantissa_bits"] = TRIM_BITS[self.codec]
         if self._fp8:
             feature_attrs = {"logical_dtype": "bfloat16", "encoding": "fp8_e4m3_scaled", "scales": "feature_scales"}
         import xxhash
@@ -240,7 +247,8 @@ class ShardWriter:
         # below after every one of them is durable.
         docs = {f"{name}/zarr.json": dumps(array_metadata(
                     spec["shape"], spec["chunk_shape"], np.dtype(spec["dtype"]), self._compressed,
-                    feature_attrs if name == "features" else None)) for name, spec in arrays.items()}
+                    feature_attrs if name == "features" else None, chunk_shuffle(self.codec, name == "features")))
+                for name, spec in arrays.items()}
         for rel, doc in docs.items():
             self._files[rel] = {"xxh3": xxhash.xxh3_64_hexdigest(doc), "bytes": len(doc)}
         docs["zarr.json"] = dumps(group_metadata({"shard_id": self.shard_id}))

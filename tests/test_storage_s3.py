@@ -59,6 +59,7 @@ def files(store: Store) -> dict[int, dict]:
     return {i: store.commit_record(i)["files"] for i in store.committed_ids()}
 
 
+@pytest.mark.slow
 def test_extract_kill_resume_concurrent_verify_repair(s3, store, tiny_qwen3, toy_data, tmp_path):
     """Two extracts at once, one SIGKILLed after the first commit; a rerun finishes; every shard equals the local
     store's, written once; a flipped byte is found by verify and repaired by a rerun; no secret anywhere."""
@@ -103,6 +104,7 @@ def test_extract_kill_resume_concurrent_verify_repair(s3, store, tiny_qwen3, toy
     assert not [t for t in texts if s3.secret in t]
 
 
+@pytest.mark.slow
 def test_train_follows_an_s3_store_through_the_cache(s3, store, tiny_qwen3, tmp_path):
     """`train --follow` on a store still being written to S3: every shard fetched once into the cache, the second
     epoch read from local disk."""

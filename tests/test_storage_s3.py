@@ -60,10 +60,22 @@ def files(store: Store) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-def test_extract_kill_resume_concurrent_verify_repair(s3, store, tiny_qwen3, toy_data, tmp_path):
-    """Two extracts at once, one SIGKILLed after the first commit; a rerun finishes; every shard equals the local
-    store's, written once; a flipped byte is found by verify and repaired by a rerun; no secret anywhere."""
-    url = f"s3://{s3.bucket()}/stores/tiny"
+def test_extract_kill_resume_concurrent_verify_repair(s3, store, tiny_qwen3, toy_data, tmp_path, capsys):
+    """A dry run that writes nothing and counts the objects; two extracts at once, one SIGKILLed after the first
+    commit, the other finishing; every shard equals the local store's, written once; a flipped byte is found by
+    verify and repaired by a rerun; no secret anywhere."""
+    from dflash.config import ExtractConfig
+    from dflash.extract import run as extract
+    from dflash.storage.summary import verify_store
+
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/stores/tiny"
+    config = dict(model=str(tiny_qwen3), data=(str(toy_data),), out=url, gpus="cpu", shard_size=4, batch_tokens=1024,
+                  max_length=256, min_loss_tokens=4, dtype="float32")
+    plan = extract(ExtractConfig(**config, dry_run=True))["plan"]
+    printed = capsys.readouterr().out
+    assert s3.keys(bucket) == {}, "a dry run wrote something"
+    assert f"objects    {plan['projected_left_objects']:,} objects, " in printed and f"to write to {url}" in printed
     cmd = ("extract", "--model", str(tiny_qwen3), "--data", str(toy_data), "--out", url, *EXTRACT_ARGS)
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     procs = [dflash(*cmd, stdout=open(p, "w"), stderr=subprocess.STDOUT) for p in logs]
@@ -83,7 +95,9 @@ def test_extract_kill_resume_concurrent_verify_repair(s3, store, tiny_qwen3, toy
     assert sorted(sample_ids) == sorted(int(x) for i in local.committed_ids() for x in local.read_shard(i).sample_ids)
     assert len(sample_ids) == len(set(sample_ids))  # nothing duplicated
 
-    bucket, prefix = url[5:].split("/", 1)
+    prefix = url[5:].split("/", 1)[1]
+    shard_objects = [k for k in s3.keys(bucket) if k.startswith(f"{prefix}/shards/0") or k.startswith(f"{prefix}/commits/")]
+    assert plan["projected_left_objects"] == len(shard_objects)
     key = f"{prefix}/shards/00002/features/c.0.0.0"
     c = s3.client()
     data = bytearray(c.get_object(Bucket=bucket, Key=key)["Body"].read())
@@ -92,15 +106,10 @@ def test_extract_kill_resume_concurrent_verify_repair(s3, store, tiny_qwen3, toy
     code, rout = run("verify", url, "--repair")
     assert code == 1 and f"{url}/shards/00002/features/c.0.0.0" in rout and "checksum mismatch" in rout, rout
     assert "withdrew" in rout and 2 not in Store.open(url).committed_ids()
-    from dflash.config import ExtractConfig
-    from dflash.extract import run as extract
-    from dflash.storage.summary import verify_store
-
-    extract(ExtractConfig(model=str(tiny_qwen3), data=(str(toy_data),), out=url, gpus="cpu", shard_size=4,
-                          batch_tokens=1024, max_length=256, min_loss_tokens=4, dtype="float32"))
+    extract(ExtractConfig(**config))
     assert verify_store(url) == (6, []) and files(Store.open(url)) == files(local)
 
-    texts = [p.read_text() for p in logs] + [rout] + [v.decode("latin-1") for v in s3.keys(bucket).values()]
+    texts = [p.read_text() for p in logs] + [rout, printed] + [v.decode("latin-1") for v in s3.keys(bucket).values()]
     assert not [t for t in texts if s3.secret in t]
 
 

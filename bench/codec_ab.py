@@ -100,9 +100,9 @@ def ab(args: argparse.Namespace, codecs: list[str]) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="target folder")
-    p.add_argument("--codecs", default="blosc,fp8,bf16m3")
+    p.add_argument("--codecs", default="blosc,fp8,bf16m3,bf16m2")
     p.add_argument("--tokens", type=int, default=8192, help="tokens of real features measured (bytes and error)")
-    p.add_argument("--smoke", action="store_true", help="CPU: bytes a token and error only, a few prompts")
+    p.add_argument("--smoke", action="store_true", help="CPU, 1,024 tokens: bytes a token and error only")
     p.add_argument("--ab", action="store_true", help="GPU: extract, train and eval per codec (measured tau)")
     p.add_argument("--data", help="--ab: conversations of extract")
     p.add_argument("--prompts", help="--ab: held-out prompts of eval (measured tau)")
@@ -116,7 +116,9 @@ def main() -> None:
 
     with open(prompts_path(), encoding="utf-8") as f:
         texts = [json.dumps(json.loads(line)) for line in f if line.strip()]
-    device = "cpu" if args.smoke else "cuda"
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     bits, ids = features(args.model, texts, 1024 if args.smoke else args.tokens, device)
     print(f"{bits.shape[0]} tokens of layers {ids} of {args.model}")
     for r in measure(bits, codecs):

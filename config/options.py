@@ -15,7 +15,7 @@ __all__ = ["CODECS", "DRAFTERS", "DTYPES", "DTYPE_CHOICES", "GENERATE_ENGINES", 
            "drafter_option", "tree_budgets_option", "cache_dir_option", "cache_gb_option", "check", "check_cache",
            "check_budgets"]
 
-CODECS = ("blosc", "none", "fp8", "bf16m3")  # storage/codec.py's, here without importing storage
+CODECS = ("blosc", "none", "fp8", "bf16m3", "bf16m2")  # storage/codec.py's, here without importing storage
 DRAFTERS = ("dflash", "dflash2")
 DTYPES = ("bfloat16", "float32")
 DTYPE_CHOICES = ("auto",) + DTYPES  # auto: target/numerics.py decides (bf16 on CUDA and on CPUs with native bf16)

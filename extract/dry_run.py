@@ -80,7 +80,7 @@ def _encoded_bytes(bits: np.ndarray, codec: str) -> int:
         q, scales = to_fp8(bits)
         return len(memoryview(encode_chunk(q, True)).cast("B")) + len(memoryview(encode_chunk(scales, True)).cast("B"))
     if codec in TRIM_BITS:
-        return len(memoryview(encode_chunk(trim_mantissa(bits, TRIM_BITS[codec]), True, "bitshuffle")).cast("B"))
+        return len(memoryview(encode_chunk(trim_mantissa(bits, TRIM_BITS[codec]), True)).cast("B"))
     return len(memoryview(encode_chunk(bits, codec != "none")).cast("B"))
 
 

@@ -81,6 +81,10 @@ class StoreFS:
         """Return the sorted names in a folder ([] if it does not exist)."""
         raise NotImplementedError
 
+    def check_writable(self) -> None:
+        """Raise StoreError if writers could not claim shards exclusively here (before anything is written)."""
+        return None
+
     def rm(self, rel: str) -> bool:
         """Return True if a file was removed."""
         raise NotImplementedError

@@ -133,6 +133,9 @@ class S3FS(FsspecFS):
             raise self._error(e, rel) from None
 
     # -- the conditional create ----------------------------------------------------------------------------------
+    def check_writable(self) -> None:
+        self._check_conditional()
+
     def _check_conditional(self) -> None:
         """Refuse a server that does not honour `If-None-Match: *` (probed once: the same PUT twice must fail)."""
         with self._lock:

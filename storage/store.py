@@ -77,6 +77,7 @@ class Store:
         (replace_skeleton: unless it holds no commit record and no live writer, when this header replaces it)."""
         fs = open_fs(url)
         validate_header(header, fs.display())
+        fs.check_writable()
         full = {**json.loads(json.dumps(header)), "format_version": FORMAT_VERSION}
         if not fs.exists(ROOT_META):
             _refuse_foreign_records(fs, full)

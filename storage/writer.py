@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import StoreError
 from . import claims
 from .fs import StoreFS
-from .codec import TRIM_BITS, array_metadata, chunk_shuffle, encode_chunk, feature_dtype, to_fp8, trim_mantissa
+from .codec import TRIM_BITS, array_metadata, encode_chunk, feature_dtype, to_fp8, trim_mantissa
 from .layout import FORMAT_VERSION, commit_path, dumps, group_metadata, header_digest, record_digest, shard_dir
 
 __all__ = ["ShardWriter", "features_to_bits"]
@@ -161,13 +161,13 @@ class ShardWriter:
         self._write_chunk(f"feature_scales/c.{i}.0", scales)
 
     def _write_trimmed_chunk(self, i: int, bits: np.ndarray) -> None:
-        self._write_chunk(f"features/c.{i}.0.0", trim_mantissa(bits, TRIM_BITS[self.codec]), "bitshuffle")
+        self._write_chunk(f"features/c.{i}.0.0", trim_mantissa(bits, TRIM_BITS[self.codec]))
 
-    def _write_chunk(self, rel: str, arr: np.ndarray, shuffle: str = "shuffle") -> None:
+    def _write_chunk(self, rel: str, arr: np.ndarray) -> None:
         import xxhash
 
         t0 = time.perf_counter()
-        data = encode_chunk(arr, self._compressed, shuffle)
+        data = encode_chunk(arr, self._compressed)
         t1 = time.perf_counter()
         path = f"{self._dir}/{rel}"
         try:
@@ -247,8 +247,7 @@ class ShardWriter:
         # below after every one of them is durable.
         docs = {f"{name}/zarr.json": dumps(array_metadata(
                     spec["shape"], spec["chunk_shape"], np.dtype(spec["dtype"]), self._compressed,
-                    feature_attrs if name == "features" else None, chunk_shuffle(self.codec, name == "features")))
-                for name, spec in arrays.items()}
+                    feature_attrs if name == "features" else None)) for name, spec in arrays.items()}
         for rel, doc in docs.items():
             self._files[rel] = {"xxh3": xxhash.xxh3_64_hexdigest(doc), "bytes": len(doc)}
         docs["zarr.json"] = dumps(group_metadata({"shard_id": self.shard_id}))

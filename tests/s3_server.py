@@ -62,8 +62,8 @@ class S3Server:
             self.proc.kill()
 
 
-def start_server(timeout: float = 30.0) -> S3Server:
-    """Return a started moto server; RuntimeError (with why) if it cannot start here."""
+def start_server(timeout: float = 30.0, auth: bool = True) -> S3Server:
+    """Return a started moto server (auth: credentials checked); RuntimeError (with why) if it cannot start here."""
     import botocore.session
 
     port = _free_port()
@@ -80,6 +80,8 @@ def start_server(timeout: float = 30.0) -> S3Server:
                 proc.kill()
                 raise RuntimeError(f"moto server did not start on {endpoint}") from None
             time.sleep(0.2)
+    if not auth:
+        return S3Server(proc, endpoint, "any", "any")
     iam = botocore.session.get_session().create_client("iam", region_name=REGION, endpoint_url=endpoint,
                                                         aws_access_key_id="setup", aws_secret_access_key="setup")
     iam.create_user(UserName="dflash")
@@ -90,3 +92,39 @@ def start_server(timeout: float = 30.0) -> S3Server:
     urllib.request.urlopen(urllib.request.Request(endpoint + "/moto-api/reset-auth", data=b"0", method="POST",
                                                   headers={"Content-Type": "text/plain"})).read()
     return S3Server(proc, endpoint, key["AccessKeyId"], key["SecretAccessKey"])
+
+
+def start_forgetful_proxy(upstream: str):
+    """Return (a running HTTP server forwarding to upstream without the If-None-Match header, its URL): an S3
+    server that ignores conditional creates, as some S3-compatible servers do."""
+    import http.client
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import urlsplit
+
+    host = urlsplit(upstream).netloc
+
+    class Forward(BaseHTTPRequestHandler):
+        def _forward(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            headers = {k: v for k, v in self.headers.items() if k.lower() != "if-none-match"}
+            conn = http.client.HTTPConnection(host, timeout=30)
+            conn.request(self.command, self.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"

@@ -236,3 +236,22 @@ def test_bad_s3_input_is_one_line_exit_2_and_writes_nothing(s3, case, tiny_qwen3
     assert s3.keys(bucket) == {}  # no half-made store
     names = [b["Name"] for b in s3.client().list_buckets()["Buckets"]]
     assert "no-such-bucket-dflash" not in names  # dflash never creates a bucket
+
+
+def test_a_server_ignoring_conditional_creates_is_refused(s3, monkeypatch):
+    from s3_server import start_forgetful_proxy
+
+    from dflash.storage import s3 as s3_module
+
+    plain = start_server(auth=False)
+    proxy, url = start_forgetful_proxy(plain.endpoint)
+    try:
+        bucket = plain.bucket()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        monkeypatch.setattr(s3_module, "_opened", {})
+        with pytest.raises(StoreError, match=r"does not honour conditional creates \(a second PUT with If-None-Match"):
+            Store.create_or_open(f"s3://{bucket}/store", HEADER)
+        assert plain.keys(bucket) == {}  # refused before anything was written
+    finally:
+        proxy.shutdown()
+        plain.stop()

@@ -105,9 +105,11 @@ def start_forgetful_proxy(upstream: str):
     host = urlsplit(upstream).netloc
 
     class Forward(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # answers a client's `Expect: 100-continue` (botocore sends one with a PUT)
+
         def _forward(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            headers = {k: v for k, v in self.headers.items() if k.lower() != "if-none-match"}
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("if-none-match", "expect")}
             conn = http.client.HTTPConnection(host, timeout=30)
             conn.request(self.command, self.path, body=body, headers=headers)
             resp = conn.getresponse()

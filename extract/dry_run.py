@@ -212,6 +212,7 @@ def format_plan(dry: DryRun, out: str, codec: str) -> str:
         "  train      time unknown until training has run (its ETA follows from its first steps)",
     ]
     if "://" in out and dry.projected_left_objects is not None:
-        lines.insert(6, f"  objects    {dry.projected_left_objects:,} objects, {format_bytes(dry.projected_left_bytes)} "
-                        f"to write to {out} (and one claim object a shard, removed at its commit)")
+        written = format_bytes(dry.projected_left_bytes)
+        lines.insert(6, f"  objects    {dry.projected_left_objects:,} objects, {written} to write to {out} (and one "
+                        "claim object a shard, removed at its commit)")
     return "\n".join(lines)

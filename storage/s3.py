@@ -107,19 +107,21 @@ class S3FS(FsspecFS):
         code = str(getattr(e, "response", {}).get("Error", {}).get("Code", "")) if hasattr(e, "response") else ""
         if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
             return StoreUnavailable(f"{where}: no usable AWS credentials (expected AWS_ACCESS_KEY_ID and "
-                              "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials); set them and rerun")
+                                    "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials); set them and rerun")
         if isinstance(e, PermissionError) or code in ("403", "AccessDenied", "InvalidAccessKeyId",
                                                       "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"):
-            return StoreUnavailable(f"{where}: the S3 server at {self.endpoint()} refused the request (expected credentials "
-                              f"allowed to read and write bucket {self.bucket}, found: {text[:160]}); check "
-                              "AWS_ACCESS_KEY_ID / AWS_PROFILE and the bucket's policy, then rerun")
+            return StoreUnavailable(f"{where}: the S3 server at {self.endpoint()} refused the request (expected "
+                                    f"credentials allowed to read and write bucket {self.bucket}, found: "
+                                    f"{text[:160]}); check AWS_ACCESS_KEY_ID / AWS_PROFILE and the bucket's policy, "
+                                    "then rerun")
         if isinstance(e, FileNotFoundError) and not rel:
-            return StoreUnavailable(f"{where}: bucket {self.bucket!r} does not exist at {self.endpoint()} (dflash never "
-                              f"creates buckets); create it with `aws s3 mb s3://{self.bucket}` or fix the URL")
+            return StoreUnavailable(f"{where}: bucket {self.bucket!r} does not exist at {self.endpoint()} (dflash "
+                                    f"never creates buckets); create it with `aws s3 mb s3://{self.bucket}` or fix "
+                                    "the URL")
         if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError",
                     "ClientConnectorError", "ReadTimeoutError") or "Could not connect" in text:
             return StoreUnavailable(f"{where}: cannot reach the S3 endpoint {self.endpoint()} ({name}); check "
-                              "AWS_ENDPOINT_URL (or the profile's endpoint_url) and the network, then rerun")
+                                    "AWS_ENDPOINT_URL (or the profile's endpoint_url) and the network, then rerun")
         return StoreError(f"{where}: S3 request failed ({name}: {text[:200]}); rerun the same command to resume")
 
     def _guard(self, call: Any, rel: str, passthrough: tuple = (FileNotFoundError,)) -> Any:
@@ -162,7 +164,7 @@ class S3FS(FsspecFS):
                 raise StoreError(
                     f"{self.display()}: the S3 server at {self.endpoint()} does not honour conditional creates "
                     f"({why}), so two writers could both claim a shard; use a server that does (AWS S3, MinIO, "
-                    "Cloudflare R2, moto >= 5) or a store on a shared file system")
+                    "moto >= 5) or a store on a shared file system")
             self._conditional = True
 
     # -- StoreFS -------------------------------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def test_extract_kill_resume_concurrent_verify_repair(s3, store, tiny_qwen3, toy
     assert len(sample_ids) == len(set(sample_ids))  # nothing duplicated
 
     prefix = url[5:].split("/", 1)[1]
-    shard_objects = [k for k in s3.keys(bucket) if k.startswith(f"{prefix}/shards/0") or k.startswith(f"{prefix}/commits/")]
+    shard_objects = [k for k in s3.keys(bucket) if k.startswith((f"{prefix}/shards/0", f"{prefix}/commits/"))]
     assert plan["projected_left_objects"] == len(shard_objects)
     key = f"{prefix}/shards/00002/features/c.0.0.0"
     c = s3.client()

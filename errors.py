@@ -6,6 +6,7 @@ __all__ = [
     "InputError",
     "ConfigError",
     "StoreError",
+    "StoreUnavailable",
     "ManifestMismatch",
     "CorruptShard",
     "AssetError",
@@ -34,6 +35,10 @@ class ConfigError(InputError):
 
 class StoreError(DflashError):
     """A feature store that cannot be opened, written or trusted."""
+
+
+class StoreUnavailable(StoreError):
+    """A store that cannot be reached or accessed (an endpoint, credentials, a bucket): never taken for "no store"."""
 
 
 class ManifestMismatch(StoreError):

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import StageConfig
-from .options import DTYPE_CHOICES, check, check_budgets, check_model_dir, option, tree_tau_nodes_option
+from .options import (DTYPE_CHOICES, cache_dir_option, cache_gb_option, check, check_budgets, check_cache,
+                      check_model_dir, option, tree_tau_nodes_option)
 
 __all__ = ["EvalConfig"]
 
@@ -31,6 +32,8 @@ class EvalConfig(StageConfig):
     batch_tokens: int = option(16384, help="Context tokens per batch (a run's own value is used for a run).")
     anchors: int = option(512, help="Blocks drawn per sample (a run's own value is used for a run).")
     skip_corrupt: bool = option(False, help="Skip (and count) corrupt shards instead of stopping.")
+    cache_dir: str | None = cache_dir_option()
+    cache_gb: float = cache_gb_option()
     chat_template_kwargs: dict[str, Any] | None = option(
         None, parse="parse_json_object", metavar="JSON",
         help='With --prompts: extra chat-template variables as a JSON object, e.g. \'{"enable_thinking": false}\'.')
@@ -45,6 +48,7 @@ class EvalConfig(StageConfig):
              "Attention-only targets (Llama, Qwen2, Qwen3).")
 
     def __post_init__(self) -> None:
+        check_cache(self.cache_gb)
         check(self.store is not None or self.prompts is not None,
                "--store is required (teacher-forced tau_hat on its held-out shards), unless --prompts FILE measures "
                "tau by decoding")

@@ -12,9 +12,10 @@ from ..errors import ConfigError
 __all__ = ["CODECS", "OFFLOADS", "parse_shard_weights", "DRAFTERS", "DTYPES", "DTYPE_CHOICES", "GENERATE_ENGINES", "POSITION_WEIGHTS", "DPACE_ALPHA",
            "LEGACY_DEFAULTS", "option", "parse_layers", "parse_shard_ids", "parse_json_object", "parse_sampling_mix",
            "parse_budgets", "parse_val_fraction", "parse_gpus", "resolve_devices", "position_weights_option",
-           "drafter_option", "tree_tau_nodes_option", "check", "check_budgets", "check_model_dir", "flag_name"]
+           "drafter_option", "tree_tau_nodes_option", "cache_dir_option", "cache_gb_option", "check", "check_cache",
+           "check_budgets", "check_model_dir", "flag_name"]
 
-CODECS = ("blosc", "none", "fp8")
+CODECS = ("blosc", "none", "fp8", "bf16m3", "bf16m2")  # storage/codec.py's, here without importing storage
 OFFLOADS = ("none", "cpu")
 DRAFTERS = ("dflash", "dflash2")
 DTYPES = ("bfloat16", "float32")
@@ -232,6 +233,25 @@ def tree_tau_nodes_option(where: str) -> Any:
                   help="Report tree tau for DDTrees of these node counts" + where + ": 1 + the depth of the "
                        "longest gold prefix among the N best prefixes of the drafter's per-slot distributions "
                        "(teacher-forced; '' for none).")
+
+
+def cache_dir_option() -> Any:
+    """Return the --cache-dir field (train's, eval's and so run's: one help)."""
+    return option(None, metavar="DIR",
+                  help="Local folder caching the shards of a remote store (s3://): the first epoch fetches each shard "
+                       "once (whole, checked against its commit record, a few ahead of the reader), later epochs read "
+                       "local disk; least recently used shards are evicted past --cache-gb. Ignored for a local store.")
+
+
+def cache_gb_option() -> Any:
+    """Return the --cache-gb field (the bound of --cache-dir)."""
+    return option(100.0, help="Size bound of --cache-dir in GB (1e9 bytes); an evicted shard is fetched and checked "
+                              "again when next read.")
+
+
+def check_cache(cache_gb: float) -> None:
+    """Refuse a cache bound that is not a positive size."""
+    check(cache_gb > 0, f"--cache-gb must be > 0 (GB), got {cache_gb}")
 
 
 def check(cond: bool, message: str) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import StageConfig
-from .options import (DPACE_ALPHA, DRAFTERS, DTYPE_CHOICES, POSITION_WEIGHTS, check, check_budgets, check_model_dir,
-                      drafter_option, option, parse_gpus, position_weights_option, tree_tau_nodes_option)
+from .options import (DPACE_ALPHA, DRAFTERS, DTYPE_CHOICES, POSITION_WEIGHTS, cache_dir_option, cache_gb_option,
+                      check, check_budgets, check_cache, check_model_dir, drafter_option, option, parse_gpus,
+                      position_weights_option, tree_tau_nodes_option)
 
 __all__ = ["TrainConfig"]
 
@@ -54,6 +55,8 @@ class TrainConfig(StageConfig):
     tensorboard: bool = option(False, help="Also write TensorBoard events to RUN/tensorboard.")
     skip_corrupt: bool = option(False, help="Skip (and count) corrupt shards instead of stopping.")
     prefetch_shards: int = option(2, help="Whole shards each rank reads ahead.")
+    cache_dir: str | None = cache_dir_option()
+    cache_gb: float = cache_gb_option()
     sliding_window: int | None = option(None, help="Window of sliding layers (with --full-every).")
     full_every: int | None = option(None, help="Every K-th drafter layer attends fully (with --sliding-window).")
     attention: str = option("auto", choices=("auto", "flex", "sdpa"),
@@ -109,6 +112,7 @@ class TrainConfig(StageConfig):
         check(self.save_every >= 1, f"--save-every must be >= 1, got {self.save_every}")
         check(self.keep >= 1, f"--keep must be >= 1, got {self.keep}")
         check(self.log_every >= 1, f"--log-every must be >= 1, got {self.log_every}")
+        check_cache(self.cache_gb)
         check(self.prefetch_shards >= 1, f"--prefetch-shards must be >= 1, got {self.prefetch_shards}")
         check(
             (self.sliding_window is None) == (self.full_every is None),

@@ -45,6 +45,13 @@ FIXES: dict[str, tuple[str, str]] = {
         "Free space or pick a writable `--out`, then rerun the same command: committed shards are kept. Over the "
         "free space: `--codec fp8` (lossy, measured) or `--force`.",
     ),
+    "StoreUnavailable": (
+        "A store URL that cannot be reached at all: an S3 bucket that does not exist, credentials the server "
+        "refuses, an endpoint that does not answer, or a server whose PUT ignores `If-None-Match` (claims would not "
+        "be exclusive).",
+        "Create the bucket, fix the credentials (the AWS chain: environment, `~/.aws`, `AWS_ENDPOINT_URL`) or the "
+        "endpoint, and rerun the same command; nothing was written.",
+    ),
     "ManifestMismatch": (
         "A store, run or drafter made with other settings than the ones asked for now: another target, other layer "
         "ids, another tokenizer or chat template, another hidden size.",

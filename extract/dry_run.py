@@ -37,6 +37,7 @@ class DryRun:
     bytes_per_token: float | None = None  # stored feature bytes a real token costs, measured
     projected_bytes: int | None = None  # the whole store
     projected_left_bytes: int | None = None  # what the shards not yet committed add
+    projected_left_objects: int | None = None  # files (objects on S3) the shards not yet committed write
     tokens_per_s: float | None = None  # one device, measured on the few batches (warm-up included)
 
     @property
@@ -53,7 +54,8 @@ class DryRun:
                 "loss_tokens": self.loss_tokens, "dropped": self.dropped, "shards_left": len(p.left()),
                 "tokens_left": self.tokens_left, "raw_bytes_per_token": p.raw_bytes_per_token,
                 "bytes_per_token": self.bytes_per_token, "projected_bytes": self.projected_bytes,
-                "projected_left_bytes": self.projected_left_bytes, "free_path": p.free_path,
+                "projected_left_bytes": self.projected_left_bytes,
+                "projected_left_objects": self.projected_left_objects, "free_path": p.free_path,
                 "free_bytes": p.free_bytes, "device": p.device, "devices": p.devices,
                 "tokens_per_s": self.tokens_per_s, "extract_s": self.extract_s}
 
@@ -72,11 +74,13 @@ class _Keep:
 
 def _encoded_bytes(bits: np.ndarray, codec: str) -> int:
     """Return the stored bytes of one whole feature chunk (bf16 bits) as the store's writer encodes it."""
-    from ..storage.codec import encode_chunk, to_fp8
+    from ..storage.codec import TRIM_BITS, encode_chunk, to_fp8, trim_mantissa
 
     if codec == "fp8":
         q, scales = to_fp8(bits)
         return len(memoryview(encode_chunk(q, True)).cast("B")) + len(memoryview(encode_chunk(scales, True)).cast("B"))
+    if codec in TRIM_BITS:
+        return len(memoryview(encode_chunk(trim_mantissa(bits, TRIM_BITS[codec]), True)).cast("B"))
     return len(memoryview(encode_chunk(bits, codec != "none")).cast("B"))
 
 
@@ -116,6 +120,14 @@ def _shard_bytes(tokens: int, samples: int, header: dict[str, Any], chunk: int, 
     files = n * (2 if header["codec"] == "fp8" else 1) + 4 + len(docs)
     meta = sum(len(dumps(d)) for d in docs) + len(dumps(group_metadata({"shard_id": 0})))
     return real * tokens + pad * (n * chunk - tokens) + small + meta + _RECORD_BYTES + _RECORD_FILE_BYTES * files
+
+
+def _shard_objects(tokens: int, header: dict[str, Any], chunk: int) -> int:
+    """Return the files (objects) a committed shard holds: feature chunks (+ fp8 scales), 4 small arrays, 5 array
+    documents (6 with scales), its group document and its commit record."""
+    n = math.ceil(tokens / chunk)
+    fp8 = header["codec"] == "fp8"
+    return n * (2 if fp8 else 1) + 4 + (6 if fp8 else 5) + 1 + 1
 
 
 def _measure(cfg: Any, header: dict[str, Any], samples: list[Any], device: str) -> tuple[float, float, float]:
@@ -172,6 +184,7 @@ def measure(cfg: Any, header: dict[str, Any], plan: ExtractionPlan, encoder: Any
         cost = [_shard_bytes(t, n, header, chunk, real, pad, ratio) for t, n, _ in sizes]
         dry.projected_left_bytes = int(sum(c for c, (_, _, left) in zip(cost, sizes) if left))
         dry.projected_bytes = int(sum(cost))
+        dry.projected_left_objects = sum(_shard_objects(t, header, chunk) for t, _, left in sizes if left)
     elif not plan.left():
         dry.projected_left_bytes = 0
     return dry
@@ -201,4 +214,8 @@ def format_plan(dry: DryRun, out: str, codec: str) -> str:
         f"  extract    {rate}; {eta} on {plan.devices} device(s)",
         "  train      time unknown until training has run (its ETA follows from its first steps)",
     ]
+    if "://" in out and dry.projected_left_objects is not None:
+        written = format_bytes(dry.projected_left_bytes)
+        lines.insert(6, f"  objects    {dry.projected_left_objects:,} objects, {written} to write to {out} (and one "
+                        "claim object a shard, removed at its commit)")
     return "\n".join(lines)

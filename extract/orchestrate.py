@@ -13,7 +13,7 @@ import click
 
 from ..config import resolve_devices
 from ..runtime.process import launch, ranks_from_env
-from ..errors import InputError, StoreError
+from ..errors import InputError, StoreError, StoreUnavailable
 from ..conversations import BadRowLog, read_rows, report_bad_rows
 
 if TYPE_CHECKING:
@@ -46,6 +46,8 @@ def _stored(url: str) -> tuple[dict[str, Any] | None, bool]:
 
     try:
         store = Store.open(url)
+    except StoreUnavailable:
+        raise  # unreachable is not "no store yet": say so before the model loads
     except StoreError:
         return None, False
     return store.header, store.is_complete()
@@ -98,6 +100,8 @@ def _plan(cfg: "ExtractConfig", header: dict[str, Any], rows: Any, scan: Any, de
 
     try:
         committed = Store.open(cfg.out, expected=header).committed_ids()
+    except StoreUnavailable:
+        raise
     except StoreError:  # no store yet, or another header's (opening it for writing reports it, or replaces a
         committed = []  # skeleton): its shards are not this run's
     return make_plan(header, rows, scan, committed, cfg.out, devices)

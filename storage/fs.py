@@ -81,6 +81,10 @@ class StoreFS:
         """Return the sorted names in a folder ([] if it does not exist)."""
         raise NotImplementedError
 
+    def check_writable(self) -> None:
+        """Raise StoreError if writers could not claim shards exclusively here (before anything is written)."""
+        return None
+
     def rm(self, rel: str) -> bool:
         """Return True if a file was removed."""
         raise NotImplementedError
@@ -96,6 +100,12 @@ class StoreFS:
     def fsync_dir(self, rel: str) -> None:
         """Make the names in a folder durable (no-op where the backend has no such notion)."""
         raise NotImplementedError
+
+    def download(self, rels: list[str], dests: list[str]) -> None:
+        """Copy files of the store to local paths (the shard cache's fetch); FileNotFoundError if one is missing."""
+        for rel, dest in zip(rels, dests):
+            with open(dest, "wb") as f:
+                f.write(self.read_bytes(rel))
 
     def display(self, rel: str = "") -> str:
         """Return the full path or URL of a relative path, for messages."""
@@ -205,8 +215,9 @@ class LocalFS(StoreFS):
 
 
 class FsspecFS(StoreFS):
-    """A store behind any fsspec URL (memory://, s3://, ...): puts are whole-object, so the commit record written
-    last is what makes a shard real; there is no fsync to call and no O_EXCL, so claims are best effort."""
+    """A store behind an fsspec URL (memory://, ...; s3:// is s3.S3FS): puts are whole-object, so the commit record
+    written last is what makes a shard real; there is no fsync to call; claims need the file system's exclusive
+    create ("xb"), and one without it is refused."""
 
     def __init__(self, url: str) -> None:
         import fsspec
@@ -234,6 +245,10 @@ class FsspecFS(StoreFS):
     def size(self, rel: str) -> int:
         return int(self.fs.size(self.path(rel)))
 
+    def download(self, rels: list[str], dests: list[str]) -> None:
+        """Copy files to local paths, concurrently where the file system is asynchronous (s3fs: one batch of GETs)."""
+        self.fs.get([self.path(r) for r in rels], list(dests))
+
     def mtime(self, rel: str) -> float | None:
         try:
             return self.fs.modified(self.path(rel)).timestamp()
@@ -254,11 +269,13 @@ class FsspecFS(StoreFS):
         except FileExistsError:
             return False
         except (ValueError, NotImplementedError):
-            # No exclusive create here: check, write, then read back to see whose bytes won.
-            if self.fs.exists(self.path(rel)):
-                return False
-            self.fs.pipe_file(self.path(rel), data)
-            return self.fs.cat_file(self.path(rel)) == data
+            # A check-then-write fallback would let two writers both win a claim: refuse instead.
+            from ..errors import StoreError
+
+            raise StoreError(
+                f"{self.display(rel)}: this file system ({type(self.fs).__name__}) has no exclusive create, so two "
+                "writers could both claim a shard; use a local or shared folder, or s3:// (PUT with If-None-Match)"
+            ) from None
         return True
 
     def listdir(self, rel: str) -> list[str]:
@@ -340,6 +357,10 @@ def open_fs(url: str) -> StoreFS:
     text = os.fspath(url)
     if text.startswith("file://"):
         return LocalFS(text[len("file://"):])
+    if text.startswith("s3://"):
+        from .s3 import open_s3
+
+        return open_s3(text)
     if "://" in text:
         return FsspecFS(text)
     return LocalFS(text)

@@ -44,6 +44,8 @@ from .writer import ShardWriter
 if TYPE_CHECKING:
     import torch
 
+    from .cache import ShardCache
+
 __all__ = ["Store", "DEFAULT_CHUNK_TOKENS"]
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class Store:
         # Chunking is a property of each shard (its record says it), so writers may choose it freely.
         self.chunk_tokens = int(chunk_tokens or DEFAULT_CHUNK_TOKENS)
         self._records: dict[int, tuple[bytes, dict]] = {}  # shard id -> (raw record, parsed record)
+        self.cache: "ShardCache | None" = None  # local copies of a remote store's shards (use_cache)
 
     # -- opening -------------------------------------------------------------------------------------------------
     @classmethod
@@ -74,6 +77,7 @@ class Store:
         (replace_skeleton: unless it holds no commit record and no live writer, when this header replaces it)."""
         fs = open_fs(url)
         validate_header(header, fs.display())
+        fs.check_writable()
         full = {**json.loads(json.dumps(header)), "format_version": FORMAT_VERSION}
         if not fs.exists(ROOT_META):
             _refuse_foreign_records(fs, full)
@@ -284,16 +288,56 @@ class Store:
         return removed
 
     # -- reading -------------------------------------------------------------------------------------------------
+    def use_cache(self, folder: str | None, gb: float, ahead: int | None = None) -> "ShardCache | None":
+        """Return the bounded local shard cache this store now reads through (a folder, at most `gb` GB), or None
+        where there is no folder or the store is on a local file system already."""
+        if not folder:
+            if not self.fs.is_local:
+                log.info("%s is remote and no --cache-dir was given: every epoch reads every shard from it again",
+                         self.fs.display())
+            return None
+        if self.fs.is_local:
+            log.info("%s is a local folder: --cache-dir %s is not used", self.fs.display(), folder)
+            return None
+        from .cache import DEFAULT_AHEAD, ShardCache, cache_key
+
+        self.cache = ShardCache(folder, cache_key(self.url, self.header_xxh3), int(gb * 1e9),
+                                DEFAULT_AHEAD if ahead is None else ahead)
+        log.info("reading %s through the shard cache %s (at most %.1f GB)", self.fs.display(), self.cache.root, gb)
+        return self.cache
+
+    def read_ahead(self, shard_ids: list[int]) -> None:
+        """Fetch these committed shards into the cache on a thread, in order, as room allows (no-op uncached)."""
+        if self.cache is not None:
+            self.cache.read_ahead(self.fs, list(shard_ids), self.commit_record)
+
     def read_shard(self, shard_id: int, *, verify: bool = True, out: "torch.Tensor | None" = None) -> ShardData:
         """Return a whole committed shard; features land in `out` (e.g. pinned, at least T*L*H bf16) if given."""
-        record = self.commit_record(shard_id) if verify else load_record(self.fs, shard_id, verify, self.header_xxh3)
-        small = {name: read_small(self.fs, shard_id, record, name, verify) for name in SMALL_ARRAYS}
+        record = self.commit_record(shard_id) if verify or self.cache else load_record(self.fs, shard_id, verify,
+                                                                                       self.header_xxh3)
+        if self.cache is None:
+            return self._read_shard(self.fs, shard_id, record, verify, out)
+        try:
+            with self.cache.local(self.fs, shard_id, record) as fs:
+                return self._read_shard(fs, shard_id, record, True, out)
+        except CorruptShard as e:
+            if not str(e).startswith(self.cache.root):
+                raise  # the store's own copy is bad (found while fetching): verify --repair is the remedy
+            # The local copy went bad or was evicted by another process between fetch and read: fetch it again.
+            log.warning("shard %d: cached copy unusable (%s); fetching it again", shard_id, e)
+            self.cache.drop(shard_id, record)
+            with self.cache.local(self.fs, shard_id, record) as fs:
+                return self._read_shard(fs, shard_id, record, True, out)
+
+    def _read_shard(self, fs: StoreFS, shard_id: int, record: dict, verify: bool,
+                    out: "torch.Tensor | None") -> ShardData:
+        small = {name: read_small(fs, shard_id, record, name, verify) for name in SMALL_ARRAYS}
         problems = invariant_problems(record, self.header, small)
         if problems:
-            raise CorruptShard(f"{self.fs.display(shard_dir(shard_id))}: {'; '.join(problems)}")
+            raise CorruptShard(f"{fs.display(shard_dir(shard_id))}: {'; '.join(problems)}")
         T = int(record["num_tokens"])
         features = self._feature_tensor(T, out)
-        read_features(self.fs, shard_id, record, 0, T, _bits(features), verify)
+        read_features(fs, shard_id, record, 0, T, _bits(features), verify)
         return ShardData(small["input_ids"], small["loss_mask"], features, small["offsets"], small["sample_ids"])
 
     def _feature_tensor(self, T: int, out: "torch.Tensor | None") -> "torch.Tensor":

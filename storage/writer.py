@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import StoreError
 from . import claims
 from .fs import StoreFS
-from .codec import array_metadata, encode_chunk, feature_dtype, to_fp8
+from .codec import TRIM_BITS, array_metadata, encode_chunk, feature_dtype, to_fp8, trim_mantissa
 from .layout import FORMAT_VERSION, commit_path, dumps, group_metadata, header_digest, record_digest, shard_dir
 
 __all__ = ["ShardWriter", "features_to_bits"]
@@ -140,6 +140,8 @@ class ShardWriter:
         i = self._chunk_index
         if self._fp8:
             self._pending.append(self._pool.submit(self._write_fp8_chunk, i, self._chunk))
+        elif self.codec in TRIM_BITS:
+            self._pending.append(self._pool.submit(self._write_trimmed_chunk, i, self._chunk))
         else:
             self._submit(f"features/c.{i}.0.0", self._chunk)
         self._chunk_index += 1
@@ -157,6 +159,9 @@ class ShardWriter:
         q, scales = to_fp8(bits)
         self._write_chunk(f"features/c.{i}.0.0", q)
         self._write_chunk(f"feature_scales/c.{i}.0", scales)
+
+    def _write_trimmed_chunk(self, i: int, bits: np.ndarray) -> None:
+        self._write_chunk(f"features/c.{i}.0.0", trim_mantissa(bits, TRIM_BITS[self.codec]))
 
     def _write_chunk(self, rel: str, arr: np.ndarray) -> None:
         import xxhash
@@ -231,6 +236,8 @@ class ShardWriter:
         if self._fp8:
             arrays["feature_scales"] = {"shape": [T, L], "chunk_shape": [C, L], "dtype": "float32"}
         feature_attrs = {"logical_dtype": "bfloat16", "encoding": "bf16_bits"}
+        if self.codec in TRIM_BITS:
+            feature_attrs["mantissa_bits"] = TRIM_BITS[self.codec]
         if self._fp8:
             feature_attrs = {"logical_dtype": "bfloat16", "encoding": "fp8_e4m3_scaled", "scales": "feature_scales"}
         import xxhash

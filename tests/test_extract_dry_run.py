@@ -22,7 +22,7 @@ def store_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-@pytest.mark.parametrize("codec", ["blosc", "none"])
+@pytest.mark.parametrize("codec", ["blosc", "none", "bf16m3"])
 def test_dry_run_projects_the_written_store_within_5_percent(conversations, tiny_qwen3, tmp_path, capsys, codec):
     out = tmp_path / "store"
     plan = run(extract_config(tiny_qwen3, conversations, out, shard_size=10, codec=codec, dry_run=True))["plan"]

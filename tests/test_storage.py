@@ -78,7 +78,7 @@ def test_bf16_round_trip_is_bit_exact(lengths, seed, codec, as_tensor):
             np.testing.assert_array_equal(one[0], ids)
 
 
-@pytest.mark.parametrize("codec", ["blosc", "none", "fp8"])
+@pytest.mark.parametrize("codec", ["blosc", "none", "fp8", "bf16m2"])
 def test_zarr_reads_what_we_wrote(tmp_path, codec):
     import zarr
 
@@ -117,6 +117,33 @@ def test_codecs_sizes_and_fp8_error(tmp_path):
             else:
                 assert torch.equal(got, ref)
     assert sizes["fp8"] < sizes["blosc"] < sizes["none"], sizes
+
+
+def test_trimmed_mantissa_codec_bounds_error_keeps_specials_and_shrinks(tmp_path):
+    from dflash.storage.codec import trim_mantissa
+
+    rng = np.random.default_rng(0)
+    bits = np.concatenate([rng.integers(0, 1 << 16, 4000, dtype=np.uint16), SPECIALS])
+    trimmed = trim_mantissa(bits, 3)
+    special = (bits & 0x7F80) == 0x7F80
+    assert not np.any(trimmed[~special] & 0x000F)  # 4 low mantissa bits dropped from every finite value...
+    np.testing.assert_array_equal(trimmed[special] | (bits[special] & 0x000F), bits[special])  # ...inf/NaN kept
+    x = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
+    y = torch.from_numpy(trimmed.view(np.int16)).view(torch.bfloat16).float()
+    finite = torch.isfinite(x) & (x != 0)
+    assert torch.isfinite(y[finite]).all()  # never rounded up to inf
+    normal = finite & (x.abs() >= torch.finfo(torch.bfloat16).tiny) & (x.abs() < 3.3e38)  # below the top binade
+    assert ((y - x).abs()[normal] <= x.abs()[normal] / 16).all()  # round to nearest: at most half of 2^-3
+    np.testing.assert_array_equal(trim_mantissa(trimmed, 3), trimmed)  # idempotent
+    sizes = {}
+    for codec in ("blosc", "bf16m3", "bf16m2"):
+        store = Store.create_or_open(str(tmp_path / codec), header(codec))
+        sizes[codec] = write_synthetic_shard(store, 0, num_samples=8)["bytes"]
+        data = store.read_shard(0)
+        ids, mask, ref_bits = synthetic_sample(0, 1, L, H)
+        want = trim_mantissa(ref_bits, int(codec[-1])) if codec != "blosc" else ref_bits
+        np.testing.assert_array_equal(bits_of(data.sample(1)[2]), want)  # read == written, trimmed
+    assert sizes["bf16m2"] < sizes["bf16m3"] < sizes["blosc"], sizes
 
 
 def test_read_into_callers_buffer(tmp_path):

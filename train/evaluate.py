@@ -147,6 +147,7 @@ def run_eval(cfg: "EvalConfig") -> dict[str, Any]:
     folder, record = resolve_drafter(cfg.drafter)
     batch_tokens, anchors = cfg.batch_tokens, cfg.anchors  # a run's own values win below
     store = Store.open(cfg.store)
+    store.use_cache(cfg.cache_dir, cfg.cache_gb)
     model = load_drafter(folder, dtype=torch.float32)
     check_compatible(model.config, store.header, str(folder), cfg.store)
     committed = set(store.committed_ids())

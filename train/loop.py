@@ -46,6 +46,7 @@ class Trainer:
             require_tensorboard()
         self.dist = dist = Dist.setup(cfg.gpus)
         self.store = wait_for_store(cfg.store) if cfg.follow else Store.open(cfg.store)
+        self.store.use_cache(cfg.cache_dir, cfg.cache_gb)
         self.dcfg = for_store(cfg, self.store.header)
         self.folder = folder = open_run(cfg, self.store, self.dcfg, dist)  # also the config a resumed run keeps
         self.cfg = cfg = folder.cfg
@@ -82,8 +83,10 @@ class Trainer:
             self.runlog.write({"event": "checkpoint", "step": step})
 
     def release(self) -> None:
-        """Give up the run folder's lock (rank 0)."""
+        """Give up the run folder's lock (rank 0) and stop fetching shards ahead."""
         self.folder.release()
+        if self.store.cache is not None:
+            self.store.cache.close()
 
     def set_total(self, total: int) -> None:
         """Take the run's (new) length: the schedule and the progress display follow it."""

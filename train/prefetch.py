@@ -60,6 +60,7 @@ class ShardPrefetcher:
         self.free: list[Any] = []  # pinned memory of released shards, for reuse
         self.thread = threading.Thread(target=self._run, name="dflash-prefetch", daemon=True)
         self.thread.start()
+        store.read_ahead(order)  # a remote store's shard cache fetches further ahead, on disk
 
     def _read(self, sid: int, key: tuple[int, int]) -> "ShardData":
         if not self.pin:
@@ -127,7 +128,9 @@ class ShardPrefetcher:
         with self.cond:
             self.orders.append(list(order))
             self.cond.notify_all()
-            return len(self.orders) - 1
+            n = len(self.orders) - 1
+        self.store.read_ahead(order)
+        return n
 
     def advance(self, capacity: int) -> None:
         """Take the bound of the round whose steps start now (the one before has released all its shards)."""

@@ -37,7 +37,7 @@ RESUMABLE_CHANGES = frozenset(
     {"resume", "epochs", "max_steps", "save_every", "save_every_minutes", "keep", "log_every", "log_every_seconds",
      "tensorboard", "skip_corrupt", "prefetch_shards", "gpus", "follow", "out", "store", "target", "val_fraction",
      "val_shards",
-     "grad_accum", "compile_layers"}
+     "grad_accum", "compile_layers", "cache_dir", "cache_gb"}
 )
 # Resolved facts that may change with them: another GPU count keeps the batches while the slots stay the same
 # (grad_accum = slots / world, see resume_grad_accum); resolved.num_slots itself is still checked.

@@ -12,7 +12,7 @@ import click
 from . import __version__
 from .config import DemoConfig, EvalConfig, ExtractConfig, GenerateConfig, RunConfig, TrainConfig, run_stage_options
 from .config.aliases import alias_key, deprecated, warn_alias, with_alias
-from .config.options import flag_name
+from .config.options import check_model_dir, flag_name
 from .errors import ConfigError, DflashError
 
 log = logging.getLogger("dflash")
@@ -226,6 +226,7 @@ def cli(log_level: str) -> None:
 def extract(**opts: Any) -> None:
     """Run the target over conversations and store its DFlash features (rerun to resume)."""
     cfg = make_config(ExtractConfig, opts)
+    check_model_dir(cfg.model, "--model")
     from . import extract as stage
 
     stage.run(cfg)
@@ -237,6 +238,7 @@ def extract(**opts: Any) -> None:
 def train(**opts: Any) -> None:
     """Train a DFlash drafter from a feature store (can follow a running extract)."""
     cfg = make_config(TrainConfig, opts)
+    check_model_dir(cfg.target, "--target")
     from . import train as stage
 
     stage.run(cfg)
@@ -256,6 +258,7 @@ def run_(**opts: Any) -> int:
     --extract-batch-tokens, --train-batch-tokens, --extract-dtype, --train-dtype. Rerun the same command to resume.
     """
     cfg = make_config(RunConfig, opts)
+    check_model_dir(cfg.model, "--model")
     extract_cfg = make_config(ExtractConfig, opts, run_stage_options(ExtractConfig), model=cfg.model, data=cfg.data,
                               out=cfg.store, gpus=cfg.extract_gpus)
     train_cfg = make_config(TrainConfig, opts, run_stage_options(TrainConfig), target=cfg.model, store=cfg.store,
@@ -272,6 +275,7 @@ def run_(**opts: Any) -> int:
 def eval_(as_json: bool, **opts: Any) -> None:
     """Teacher-forced tau_hat of a drafter on a store's held-out shards, or measured tau on a prompt file."""
     cfg = make_config(EvalConfig, opts)
+    check_model_dir(cfg.target, "--target")
     from .runtime.memory import is_out_of_memory, out_of_memory_error
 
     try:
@@ -338,6 +342,7 @@ def verify(store: str, repair: bool) -> int:
 def generate(**opts: Any) -> None:
     """Answer prompts with the target model, writing conversations ready for `dflash extract`."""
     cfg = make_config(GenerateConfig, opts)
+    check_model_dir(cfg.model, "--model")
     from . import generate as stage
 
     stage.run(cfg)

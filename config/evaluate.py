@@ -6,7 +6,7 @@ from typing import Any
 
 from .base import StageConfig
 from .options import (DTYPE_CHOICES, cache_dir_option, cache_gb_option, check, check_budgets, check_cache,
-                      check_model_dir, option, tree_tau_nodes_option)
+                      option, tree_tau_nodes_option)
 
 __all__ = ["EvalConfig"]
 
@@ -68,5 +68,3 @@ class EvalConfig(StageConfig):
         check(not self.tree_budget or self.prompts is not None,
                f"--tree-decode-nodes {','.join(map(str, self.tree_budget or ()))} decodes prompts: pass --prompts FILE "
                "(on a store, --tree-tau-nodes reports tree tau teacher-forced)")
-        # Last: the values above are refused without a look at the disk.
-        check_model_dir(self.target, "--target")

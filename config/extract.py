@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import StageConfig
-from .options import (CODECS, DTYPE_CHOICES, OFFLOADS, check, check_model_dir, option, parse_gpus,
+from .options import (CODECS, DTYPE_CHOICES, OFFLOADS, check, option, parse_gpus,
                       parse_shard_weights)
 
 __all__ = ["ExtractConfig"]
@@ -96,5 +96,3 @@ class ExtractConfig(StageConfig):
         check(self.collective_timeout >= 1, f"--collective-timeout must be >= 1, got {self.collective_timeout}")
         if self.layers is not None:
             check(len(self.layers) >= 1, "--layers is empty; pass auto or e.g. 1,9,17,25,33")
-        # Last: the values above are refused without a look at the disk.
-        check_model_dir(self.model, "--model")

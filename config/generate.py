@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import StageConfig
-from .options import DTYPE_CHOICES, DTYPES, GENERATE_ENGINES, check, check_model_dir, option
+from .options import DTYPE_CHOICES, DTYPES, GENERATE_ENGINES, check, option
 
 __all__ = ["GenerateConfig"]
 
@@ -100,5 +100,3 @@ class GenerateConfig(StageConfig):
         check(self.top_k is None or self.top_k >= 1, f"--top-k must be >= 1, got {self.top_k}")
         check(self.engine in GENERATE_ENGINES, f"--engine {self.engine!r}: use {', '.join(GENERATE_ENGINES)}")
         check(self.dtype in DTYPE_CHOICES, f"--dtype {self.dtype!r}: use auto, {', '.join(DTYPES)}")
-        # Last: the values above are refused without a look at the disk.
-        check_model_dir(self.model, "--model")

@@ -262,7 +262,8 @@ def check(cond: bool, message: str) -> None:
 
 def check_model_dir(path: str | None, option: str) -> None:
     """Refuse a model path that cannot be a Hugging Face model folder: empty, a file, nothing there, or a folder
-    without config.json (one line each, before anything loads or any output exists)."""
+    without config.json (one line each, before anything loads or any output exists). The commands call it on the
+    config they made: a config itself holds values, and may name a folder made later (the demo's converted target)."""
     import os
 
     if path is None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from .base import StageConfig
 from .extract import ExtractConfig
-from .options import check, check_model_dir, option, parse_gpus
+from .options import check, option, parse_gpus
 from .train import TrainConfig
 
 __all__ = ["RunConfig", "RUN_SHARED", "run_stage_options"]
@@ -34,8 +34,6 @@ class RunConfig(StageConfig):
         parse_gpus(self.train_gpus)
         check(self.retries >= 0, f"--retries must be >= 0, got {self.retries}")
         check(self.progress_every > 0, f"--progress-every must be > 0, got {self.progress_every}")
-        # Last: the values above are refused without a look at the disk.
-        check_model_dir(self.model, "--model")
 
 
 # How `dflash run`'s options map onto its stages: these stage fields come from RunConfig (None: `dflash run` sets

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from .base import StageConfig
 from .options import (DPACE_ALPHA, DRAFTERS, DTYPE_CHOICES, POSITION_WEIGHTS, cache_dir_option, cache_gb_option,
-                      check, check_budgets, check_cache, check_model_dir, drafter_option, option, parse_gpus,
+                      check, check_budgets, check_cache, drafter_option, option, parse_gpus,
                       position_weights_option, tree_tau_nodes_option)
 
 __all__ = ["TrainConfig"]
@@ -133,5 +133,3 @@ class TrainConfig(StageConfig):
         check(self.dpace_alpha == DPACE_ALPHA or self.position_weights == "dpace",
                f"--dpace-alpha {self.dpace_alpha} applies to --position-weights dpace only (it is "
                f"{self.position_weights}); drop it or pass --position-weights dpace")
-        # Last: the values above are refused without a look at the disk.
-        check_model_dir(self.target, "--target")

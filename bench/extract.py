@@ -243,7 +243,7 @@ IMPORT_SET = ("import dflash.cli\n"
               "from transformers import AutoConfig, AutoTokenizer\n"
               "import numcodecs.blosc, dflash.storage\n"
               "from dflash.extract import orchestrate, header, loader, pipeline, progress, template, worker\n"
-              "from dflash.target import adapter, load, runner\n"
+              "from dflash.targets import adapter, load, runner\n"
               "import transformers.modeling_utils\n"
               "try:\n    import flash_attn\nexcept ImportError:\n    pass\n")
 
@@ -346,7 +346,7 @@ def command_batches(model_dir: Path, data: Path, store: Path, device: torch.devi
     from transformers import AutoTokenizer
 
     from dflash.config import ExtractConfig
-    from dflash.target.runner import pad_batch
+    from dflash.targets.runner import pad_batch
     from dflash.conversations import read_rows
     from dflash.extract.plan import make_plan, pack_batches, scan_rows
     from dflash.extract.template import ChatEncoder, load_template
@@ -373,11 +373,11 @@ def truncated_forward(model_dir: Path, data: Path, store: Path, device: torch.de
 
     Passes over the same batches: the first in a fresh load (cold, as the command's only pass), a second (warm);
     with cudnn, two more with SDPA free to pick cuDNN's attention (extract excludes it: it plans each new shape,
-    target/runner.attention_backends), the first of them cold for its plans. `best_tok_s` is the fastest pass: the
+    targets/runner.attention_backends), the first of them cold for its plans. `best_tok_s` is the fastest pass: the
     most this GPU gave for the work. load: a function returning the target (default: its folder's weights).
     """
-    from dflash.target.load import load_for_features
-    from dflash.target.runner import TargetRunner
+    from dflash.targets.load import load_for_features
+    from dflash.targets.runner import TargetRunner
 
     header, batches = command_batches(model_dir, data, store, device)
     model = load() if load is not None else load_for_features(str(model_dir), device, torch.bfloat16)

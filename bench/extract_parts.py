@@ -16,7 +16,7 @@ Variants (--variants, comma-separated; each runs every shard of the case once):
   tok_w4        tok with 4 compression threads instead of the machine's share
   tok_profile   tok with --profile's CUDA events around each forward and copy
   *_cudnn       hidden_cudnn, features_cudnn, tok_cudnn: the same with SDPA free to pick cuDNN's attention, which
-                the runner excludes (target/runner.attention_backends: cuDNN plans each new shape)
+                the runner excludes (targets/runner.attention_backends: cuDNN plans each new shape)
   empty_cache   no pass: torch.cuda.empty_cache(), so the next variant's allocations go to the driver again
 A variant may be named more than once (e.g. hidden,hidden,empty_cache,hidden: a cold pass, a warm one, and one
 after the allocator's cache was emptied).
@@ -96,8 +96,8 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
     """Return the case's config, header, rows, encoder, runner and per-shard samples (the command's own steps)."""
     from dflash.conversations import read_rows
     from dflash.config import ExtractConfig
-    from dflash.target.load import load_for_features
-    from dflash.target.runner import TargetRunner
+    from dflash.targets.load import load_for_features
+    from dflash.targets.runner import TargetRunner
     from dflash.extract.header import build_header
     from dflash.extract.orchestrate import _model_files
     from dflash.extract.plan import make_plan, scan_rows
@@ -142,7 +142,7 @@ def _alloc_stats(device: torch.device) -> dict[str, int]:
 
 def run_variant(name: str, ctx: dict[str, Any]) -> dict[str, Any]:
     """Return the figures of one variant over every shard of the case."""
-    from dflash.target.runner import pad_batch
+    from dflash.targets.runner import pad_batch
     from dflash.extract.pipeline import FeaturePipeline
     from dflash.extract.plan import pack_batches
     from dflash.extract.timeline import Timeline

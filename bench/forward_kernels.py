@@ -19,8 +19,8 @@ Each case runs
       random init on the GPU in place of the weights' load): its steady tok/s (first forward to last commit), the
       kernels its self-check chose and its MFU line, from its log;
   (2) in this process, the model's own truncated forward (TargetRunner.hidden, no self-check) over exactly the
-      batches the command ran, once per kernel choice (target/kernels.candidates: attention x experts), a cold
-      pass (flex compiles there) then a warm one, with its model FLOPs (target/flops.py) and MFU;
+      batches the command ran, once per kernel choice (targets/kernels.candidates: attention x experts), a cold
+      pass (flex compiles there) then a warm one, with its model FLOPs (targets/flops.py) and MFU;
 and prints, per case: the command's tok/s and MFU, each kernel choice's warm tok/s and MFU, the command over the
 best forward, and the goals (MoE >= 35% MFU, dense >= 55%, the command >= 0.95 of the forward, gpt-oss >= 3 x
 11,728 tok/s).
@@ -86,11 +86,11 @@ def command_figures(log: str) -> dict:
 
 
 def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.device) -> list[dict]:
-    """Return, per kernel choice dflash would try for this target (target/kernels.candidates), the truncated
+    """Return, per kernel choice dflash would try for this target (targets/kernels.candidates), the truncated
     forward's cold and warm tok/s over the command's batches, its TFLOP/s and MFU (warm)."""
     from dflash.extract.perf import device_peak
-    from dflash.target import kernels
-    from dflash.target.runner import TargetRunner
+    from dflash.targets import kernels
+    from dflash.targets.runner import TargetRunner
 
     header, batches = bx.command_batches(folder, data, store, device)
     model = bt.random_target(folder, device, torch.bfloat16)

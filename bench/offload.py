@@ -56,7 +56,7 @@ def random_sharded(model_dir: str | Path, device: torch.device, dtype: str, shar
     one on a world of one (built on the GPU; FSDP2 moves the shards into pinned host memory when offloaded)."""
     import torch.distributed as dist
 
-    from dflash.target import sharded
+    from dflash.targets import sharded
 
     assert dist.get_world_size() == 1, "the bench runs one GPU"
     model = bt.random_target(model_dir, device, getattr(torch, dtype))
@@ -69,8 +69,8 @@ def random_sharded(model_dir: str | Path, device: torch.device, dtype: str, shar
 def child(argv: list[str]) -> None:
     """Run the `dflash` entry point with random weights made inside it (what --child does); print the peak GPU
     memory reserved at exit."""
-    import dflash.target.load as loading
-    import dflash.target.sharded as sharded
+    import dflash.targets.load as loading
+    import dflash.targets.sharded as sharded
     from dflash.cli import main
 
     loading.load_for_features = bt.random_target
@@ -118,7 +118,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict:
 def largest_target() -> str:
     """Return the largest target the placement rules let this machine extract on one GPU, resident and offloaded."""
     from dflash.extract.placement import GPU_USABLE, HOST_USABLE
-    from dflash.target.load import _mem_available
+    from dflash.targets.load import _mem_available
 
     host = _mem_available() or 0
     free = torch.cuda.mem_get_info(0)[0] if torch.cuda.is_available() else 0

@@ -72,7 +72,7 @@ def main() -> None:
     from dflash.train.evaluate import evaluate_shards
     from dflash.drafter.files import load_drafter
     from dflash.drafter.folders import find_checkpoint
-    from dflash.target.head import load_target_head
+    from dflash.targets.head import load_target_head
 
     base, work = Path(args.demo), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

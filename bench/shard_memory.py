@@ -32,7 +32,7 @@ def _touch(model) -> None:
 
 
 def child(folder: str, mode: str) -> None:
-    from dflash.target import sharded
+    from dflash.targets import sharded
 
     base = _rss()
     if mode == "whole":

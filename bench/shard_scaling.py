@@ -57,7 +57,7 @@ def random_sharded(model_dir: str | Path, device: torch.device, dtype: str, shar
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from dflash.target import sharded
+    from dflash.targets import sharded
 
     torch.manual_seed(0)  # every rank builds the same weights: its shards are then parts of one model
     model = bt.random_target(model_dir, device, getattr(torch, dtype))
@@ -208,10 +208,10 @@ def profile_summary(events, windows: list[tuple[float, int]]) -> dict:
 def child(argv: list[str]) -> None:
     """Run the `dflash` entry point with random weights made inside it and this rank's Probe (what --child does)."""
     import dflash.extract.worker as worker
-    import dflash.target.load as loading
-    import dflash.target.sharded as sharded
+    import dflash.targets.load as loading
+    import dflash.targets.sharded as sharded
     from dflash.cli import main
-    from dflash.target.runner import TargetRunner
+    from dflash.targets.runner import TargetRunner
 
     skip, count = map(int, os.environ.get(PROFILE_ENV, "2,3").split(","))
     probe = Probe(Path(os.environ[RANK_DIR_ENV]), skip, count)

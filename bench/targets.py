@@ -68,10 +68,10 @@ SMOKE = {
 def random_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> object:
     """Return a random-init causal LM of the folder's config on `device` in `dtype`, in the attention
     implementation extract loads it with (target.adapter.attention_for; the command's self-check then keeps it
-    or falls back, target/kernels.py)."""
+    or falls back, targets/kernels.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.target.adapter import attention_for
+    from dflash.targets.adapter import attention_for
 
     config = AutoConfig.from_pretrained(str(model_dir))
     with torch.device(device):
@@ -108,7 +108,7 @@ def prepare_case(name: str, case: tuple[str, dict], smoke: dict | None, args: ar
 def child(argv: list[str]) -> None:
     """Run the `dflash` entry point with the target's load replaced by random_target and its weight check (against
     the folder's one-tensor file) skipped (what --child does)."""
-    import dflash.target.load as loading
+    import dflash.targets.load as loading
     from dflash.cli import main
 
     loading.load_for_features = random_target
@@ -226,7 +226,7 @@ def main() -> None:
     if args.smoke:
         args.tokens = min(args.tokens, 20_000)
     device = torch.device("cpu" if args.smoke else "cuda:0")
-    from dflash.target.adapter import linear_attention_path
+    from dflash.targets.adapter import linear_attention_path
 
     print(f"flash-linear-attention: {linear_attention_path() or 'not installed (torch fallback)'}", flush=True)
     results = run_cases(run_case, args, device)

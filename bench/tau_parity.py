@@ -39,7 +39,7 @@ def _stored(tokenizer, messages, text: str, prompt_ids: list[int]) -> list[int]:
 
 
 def _batched(folder, tokenizer, chats, prompts, tokens: int, batch: int, stops, dtype) -> list[list[int]]:
-    from dflash.target.load import load_target
+    from dflash.targets.load import load_target
 
     model = load_target(folder, device="cpu", dtype=dtype)
     tokenizer.padding_side = "left"
@@ -69,7 +69,7 @@ def _features(target, ids: list[int], layer_ids) -> torch.Tensor:
 def _train(folder, target, prompts, answers, layer_ids, mask_id, steps: int, block: int):
     from dflash.drafter.config import DrafterConfig
     from dflash.drafter.model import DFlashDrafter
-    from dflash.target.head import load_target_head
+    from dflash.targets.head import load_target_head
     from dflash.train.objective import drafter_loss
     from dflash.train.packing import pack_batch
 

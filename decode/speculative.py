@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 def load_target(path: str | os.PathLike, *, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32) -> Any:
     """Return the target causal LM of a Hugging Face folder, in eval mode on device (fp32 by default: greedy ties)."""
-    from ..target.load import load_target as load
+    from ..targets.load import load_target as load
 
     return load(path, device=device, dtype=dtype, option="--target")
 
@@ -93,7 +93,7 @@ def speculative_decode(target: Any, propose: Proposer, prompt_ids: Sequence[int]
     `propose` drafts B-1 tokens from the context features; every draft is checked against the target's own choice
     at its position (argmax, or a sample at temperature > 0, which keeps the output distributed as the target's).
     """
-    from ..target.cache import Rollback, decoding_cache
+    from ..targets.cache import Rollback, decoding_cache
 
     if block_size < 2:
         raise InputError(f"block size must be >= 2, got {block_size}")

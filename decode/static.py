@@ -3,7 +3,7 @@
 The dynamic loop (speculative.py) grows transformers' DynamicCache, crops it after each verification, re-runs the
 drafter's key/value projections over the whole context for every block and syncs with the host several times per
 block. Here, per prompt:
-- the target runs over `StaticTarget` (target/static_kv.py) and the drafter over a cache of its context keys and values
+- the target runs over `StaticTarget` (targets/static_kv.py) and the drafter over a cache of its context keys and values
   (one [kv_heads, max_len, head_dim] pair per drafter layer: a context row's key and value depend on that row and
   its position alone, so each is computed once, when the row is accepted);
 - a block is one fixed sequence of kernels: draft B-1 tokens, verify [anchor, drafts] in one target forward, count
@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.nn import functional as F
 
-from ..target.static_kv import StaticTarget, fast_unsupported
+from ..targets.static_kv import StaticTarget, fast_unsupported
 from .decoded import Decoded, cut_at_stop
 from ..drafter.model import DFlashDrafter, DFlash2Layer, apply_rope, block_embeddings, unary_logits
 

@@ -5,7 +5,7 @@ Per block, with P tokens committed and the anchor (the newest token, not yet run
 - the drafter gives each slot's logits once (drafter_proposer(logits=True); for DFlash 2 the unary logits: the
   tree is DDTree's, not the selector's beam) and drafter/tree.build_tree pops the N best prefixes of their
   log-softmax (each slot's top-N tokens are enough);
-- the target runs [anchor, node 1..N] in one forward over its static cache (target/static_kv.StaticTarget): node i goes
+- the target runs [anchor, node 1..N] in one forward over its static cache (targets/static_kv.StaticTarget): node i goes
   to cache column P+i, takes position P + depth(i) for its rotary embedding, and sees the committed columns, the
   anchor, its ancestors and itself (the ancestor-only mask), so its logits equal those of its path run alone;
 - the walk starts at the anchor and moves to the child whose token is the target's argmax there, while one exists;
@@ -25,7 +25,7 @@ import torch
 from ..drafter.model import DFlashDrafter
 from ..drafter.tree import ancestor_mask, build_tree
 from ..errors import InputError
-from ..target.static_kv import StaticTarget, fast_unsupported
+from ..targets.static_kv import StaticTarget, fast_unsupported
 from .decoded import Decoded, cut_at_stop
 from .drafting import drafter_proposer
 

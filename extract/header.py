@@ -11,8 +11,8 @@ from ..conversations import generated_by
 from ..errors import ConfigError, InputError
 from ..facts import NUM_FEATURE_LAYERS, build_target_layer_ids, validate_layer_ids
 from ..conversations import fingerprint, input_files
-from ..target.adapter import text_config
-from ..target.load import runtime_record
+from ..targets.adapter import text_config
+from ..targets.load import runtime_record
 from .plan import RowScan, default_shard_size, shard_record
 from .template import text_hash
 
@@ -205,7 +205,7 @@ def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, templa
         # same target (train, too, ignores where the store lies). The path is kept to tell the user, not compared.
         # How `dflash generate` made the data (its numerics above all: decoding that verifies in other numerics
         # meets text the drafter never saw) is recorded to be shown, not compared.
-        # The kernels the target ran (target/kernels.py) differ by device and library, never by what is stored.
+        # The kernels the target ran (targets/kernels.py) differ by device and library, never by what is stored.
         "informational": ["target.path", "dataset.generated_by", "kernels", "runtime"],
         "target": {
             "path": os.path.abspath(cfg.model),

@@ -59,8 +59,8 @@ class BackgroundLoad:
                 import torch
                 import transformers.modeling_utils  # noqa: F401  (the bulk of what the check and load import)
 
-                from ..target.adapter import check_architecture
-                from ..target.load import load_for_features
+                from ..targets.adapter import check_architecture
+                from ..targets.load import load_for_features
             with self._tl.stage("model_check", main=False):
                 check_architecture(self._config, self.model_dir, self.depth)
         except BaseException as e:  # handed to checked() and result(), in the caller's thread

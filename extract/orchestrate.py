@@ -54,7 +54,7 @@ def _stored(url: str) -> tuple[dict[str, Any] | None, bool]:
 
 
 def _resolve_dtype(cfg: "ExtractConfig", device: str, stored: dict[str, Any] | None) -> "ExtractConfig":
-    """Return cfg with --dtype made concrete (target/numerics.py, logging why), as the header records it.
+    """Return cfg with --dtype made concrete (targets/numerics.py, logging why), as the header records it.
 
     A store being resumed keeps the dtype it was extracted in when --dtype is auto, even where auto would now pick
     another: its shards must all come from one numerics, and another dtype would refuse the header anyway.
@@ -62,7 +62,7 @@ def _resolve_dtype(cfg: "ExtractConfig", device: str, stored: dict[str, Any] | N
     import dataclasses
 
     from ..config import DTYPES
-    from ..target.numerics import resolve_dtype
+    from ..targets.numerics import resolve_dtype
 
     recorded = (stored or {}).get("compute_dtype")
     dtype = resolve_dtype(cfg.dtype, device, auto=recorded if recorded in DTYPES else None,
@@ -145,7 +145,7 @@ def _timed_imports(tl: Any) -> None:
 
         from .. import storage  # noqa: F401
     with tl.stage("import_dflash"):
-        from ..target import adapter, load, runner  # noqa: F401
+        from ..targets import adapter, load, runner  # noqa: F401
         from . import header, loader, progress, template, worker  # noqa: F401
 
 
@@ -186,8 +186,8 @@ def _placement(cfg: "ExtractConfig", model_config: Any, devices: list[str], dept
     import torch
 
     from ..config.options import parse_shard_weights
-    from ..target.load import _mem_available
-    from ..target.sharded import captured_size, init_group
+    from ..targets.load import _mem_available
+    from ..targets.sharded import captured_size, init_group
     from .placement import placement_of, target_size
 
     ranks = ranks_from_env()
@@ -226,15 +226,15 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
         return _run(cfg, tl)
     finally:
         prefetch.close()
-        if "torch" in sys.modules:  # a sharded target's process group (target/sharded.py), if one was joined
-            from ..target.sharded import release_group
+        if "torch" in sys.modules:  # a sharded target's process group (targets/sharded.py), if one was joined
+            from ..targets.sharded import release_group
 
             release_group()
 
 
 def _prefetch(cfg: "ExtractConfig", tl: Any) -> Any:
     """Start reading the target's weight files into the page cache, beside the imports (target.load.WeightPrefetch)."""
-    from ..target.load import WeightPrefetch
+    from ..targets.load import WeightPrefetch
 
     prefetch = WeightPrefetch(cfg.model, on_done=lambda s: tl.add("model_prefetch", s, main=False))
     return prefetch.start()
@@ -243,7 +243,7 @@ def _prefetch(cfg: "ExtractConfig", tl: Any) -> Any:
 def _run(cfg: "ExtractConfig", tl: Any) -> dict[str, Any]:
     """Return run()'s summary (its timeline started, the weights being read)."""
     _timed_imports(tl)
-    from ..target.adapter import check_architecture
+    from ..targets.adapter import check_architecture
     from .header import captured_depth
     from .loader import BackgroundLoad
 
@@ -397,7 +397,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
 
 
 def _with_kernels(header: dict[str, Any], runner: Any) -> dict[str, Any]:
-    """Return the header with the kernels the checked runner chose (target/kernels.py), an informational field: a
+    """Return the header with the kernels the checked runner chose (targets/kernels.py), an informational field: a
     store resumed in other kernels (another GPU, another transformers) is the same store, and every commit record
     says which kernels made its shard. A store from before they were recorded keeps its header as it is."""
     if "kernels" not in header.get("informational", []):

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ResourceError
 from ..runtime.memory import free_memory, is_out_of_memory
-from ..target.runner import TargetRunner, pad_batch
+from ..targets.runner import TargetRunner, pad_batch
 from .plan import pack_batches
 
 __all__ = ["Sample", "Sink", "PipelineStats", "HostBuffers", "FeaturePipeline"]
@@ -51,7 +51,7 @@ class PipelineStats:
     batches: int = 0
     seconds: float = 0.0
     wait_s: float = 0.0
-    flops: float = 0.0  # the target's model FLOPs over the real tokens (target/flops.py)
+    flops: float = 0.0  # the target's model FLOPs over the real tokens (targets/flops.py)
 
     def add(self, other: "PipelineStats") -> None:
         for f in ("samples", "tokens", "padded_tokens", "batches", "seconds", "wait_s", "flops"):

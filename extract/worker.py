@@ -94,7 +94,7 @@ def _commit(writer: Any, shard_id: int, extra: dict, open_writers: dict, done: l
 
 
 def _kernels(pipeline: Any) -> dict[str, Any]:
-    """Return the commit record's note of the kernels the shard's target ran (target/kernels.py)."""
+    """Return the commit record's note of the kernels the shard's target ran (targets/kernels.py)."""
     kernels = getattr(getattr(pipeline, "runner", None), "kernels", None)
     return {"kernels": kernels.to_dict()} if kernels is not None else {}
 
@@ -133,7 +133,7 @@ def host_buffers(cfg: "ExtractConfig", header: dict[str, Any], device: str) -> A
 def feature_runner(cfg: "ExtractConfig", header: dict[str, Any], model: Any) -> Any:
     """Return the truncated runner of a loaded target, checked against the full model (InputError when it differs)
     on rows as long as the longest sample extraction runs, or longer than every attention window."""
-    from ..target.runner import TargetRunner
+    from ..targets.runner import TargetRunner
 
     return TargetRunner(model, header["layer_ids"], check_length=cfg.max_length)
 
@@ -142,7 +142,7 @@ def sharded_runner(cfg: "ExtractConfig", header: dict[str, Any], device: Any) ->
     """Return the lockstep runner of the target sharded as cfg says (--shard-weights, --offload), loaded (each rank
     reading its part of each tensor) and checked against its own full forward on every rank."""
     from ..config.options import parse_shard_weights
-    from ..target.sharded import ShardedRunner, init_group, load_sharded
+    from ..targets.sharded import ShardedRunner, init_group, load_sharded
     from .lockstep import Lockstep, collective
 
     init_group(device, cfg.collective_timeout)
@@ -163,7 +163,7 @@ def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, 
 
     import torch
 
-    from ..target.load import load_for_features
+    from ..targets.load import load_for_features
     from .pipeline import FeaturePipeline
 
     def stage(name: str) -> Any:
@@ -274,7 +274,7 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
 def _lockstep_pipeline(cfg: "ExtractConfig", device: str, store: Any, make_pipeline: Callable[[], Any]) -> Any:
     """Return the pipeline of a sharded target made now (every rank holds a part of the weights its peers need, so
     each loads it whether or not it gets a shard), or make_pipeline itself when no rank has a shard left to do."""
-    from ..target.sharded import init_group
+    from ..targets.sharded import init_group
     from .lockstep import agree_any, collective
 
     import torch

@@ -23,7 +23,7 @@ from ..runtime.atomic import append_lines, repair_torn_tail
 from ..conversations import prompt_turns
 from ..errors import InputError
 from ..runtime.process import Progress as Display
-from ..target.load import Loaded, load_for_chat
+from ..targets.load import Loaded, load_for_chat
 from .client import Servers
 from .model import NUMERICS, check_identity, resolve
 from .prompts import Conversation, Prompt, read_prompts, written_lines

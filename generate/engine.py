@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
-from ..target.static_kv import fast_unsupported, model_rope
+from ..targets.static_kv import fast_unsupported, model_rope
 
 __all__ = ["Request", "Completion", "FastDecoder", "fast_unsupported"]
 

@@ -1,5 +1,5 @@
 """The target as `dflash generate` runs it: the numerics (dtype, engine, device) resolved and recorded beside the
-output, and the tokenizer and model loaded (target/load.py)."""
+output, and the tokenizer and model loaded (targets/load.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +43,7 @@ def resolve(cfg: "GenerateConfig") -> "GenerateConfig":
     # "The capital of France is Paris." became "L'Etoile, ..."; even eager attention changed 9 of 16 answers
     # between batch 16 and batch 1. fp32 kept 8 of 8 answers identical between batch 8 and batch 1, so auto
     # uses it there, at a cost (bf16 decoded up to ~3x faster on this AVX512-bf16 CPU). GPUs keep the folder's.
-    from ..target.numerics import resolve_dtype
+    from ..targets.numerics import resolve_dtype
 
     if cfg.device == "cpu":
         auto = "float32"

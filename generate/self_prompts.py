@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from ..runtime.atomic import append_lines, repair_torn_tail
 from ..errors import ConfigError, InputError
 from ..runtime.process import Progress
-from ..target.load import load_for_chat
+from ..targets.load import load_for_chat
 from .model import NUMERICS, check_identity, resolve
 from .prompts import read_prompts, written_lines
 

@@ -1,4 +1,4 @@
-"""dflash.target: everything that runs the target model: loading it (load.py), the architecture adapter (which
+"""dflash.targets: everything that runs the target model: loading it (load.py), the architecture adapter (which
 decoder stack, which layer kinds, adapter.py), the attention and experts kernels checked against the model's eager
 float32 forward (kernels.py), the truncated runner extract captures features with (runner.py), what its forward
 costs in FLOPs (flops.py), the static-cache forward decoding replays (static_kv.py), the frozen embedding and

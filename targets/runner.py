@@ -47,7 +47,7 @@ class TargetRunner:
     i.e. the full model's output_hidden_states[i + 1].
     """
 
-    # FSDP2 (target/sharded.py) gathers weights in hooks that inference mode breaks: its runner takes no_grad.
+    # FSDP2 (targets/sharded.py) gathers weights in hooks that inference mode breaks: its runner takes no_grad.
     grad_mode = staticmethod(torch.inference_mode)
 
     def __init__(self, model: Any, layer_ids: list[int], *, check: bool = True, check_length: int = 4096,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash.decode.speculative import greedy_decode, speculative_decode, load_target
-from dflash.target.cache import records_linear_past
+from dflash.targets.cache import records_linear_past
 
 # transformers' or torch's internals: `DFLASH_CI=newest bash .ci/run` runs these on the newest releases
 pytestmark = pytest.mark.internals
@@ -54,7 +54,7 @@ def targets(tmp_path_factory) -> dict:
 def test_speculative_decoding_equals_greedy_on_every_layer_kind(targets, name, by_hand, monkeypatch):
     """by_hand: the rollback that saves and restores recurrent states itself, as on transformers before 5.25."""
     if by_hand:
-        monkeypatch.setattr("dflash.target.cache.records_linear_past", lambda: False)
+        monkeypatch.setattr("dflash.targets.cache.records_linear_past", lambda: False)
     target = targets[name]
     prompt = list(range(5, 25))
     greedy = greedy_decode(target, prompt, max_new_tokens=30)
@@ -84,7 +84,7 @@ def test_a_layer_mixing_attention_and_a_recurrent_state_drops_only_its_attention
     attention tail; the state is the rollback's to restore (its own crop cannot take tokens back)."""
     from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
 
-    from dflash.target.cache import _attention_crop
+    from dflash.targets.cache import _attention_crop
 
     layer = LinearAttentionAndFullAttentionLayer()
     keys = torch.arange(7.0).view(1, 1, 7, 1).expand(1, 2, 7, 4).contiguous()

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from dflash.config import DemoConfig, TrainConfig
 from dflash.drafter.attention import make_attend
-from dflash.target.head import load_target_head
+from dflash.targets.head import load_target_head
 from dflash.errors import ConfigError, ManifestMismatch
 from dflash.train.run_folder import check_resume
 from dflash.train.objective import dpace_weights, loss_denominator, predict

@@ -15,7 +15,7 @@ from dflash.drafter.model import DFlashDrafter, draft_logits
 from dflash.train.objective import drafter_loss
 from dflash.train.packing import pack_batch
 from dflash.drafter.attention import make_attend
-from dflash.target.head import load_target_head
+from dflash.targets.head import load_target_head
 
 
 def _drafter(target, *, B: int = 5, sliding: int | None = None, dtype=torch.float64, seed: int = 0):

@@ -13,7 +13,7 @@ from dflash.drafter.folders import find_checkpoint
 from dflash.train.export import export_drafter
 from dflash.drafter.config import DrafterConfig
 from dflash.drafter.model import DFlashDrafter, draft_logits
-from dflash.target.head import load_target_head
+from dflash.targets.head import load_target_head
 
 
 @pytest.fixture()

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.target.load import load_for_features
-from dflash.target.runner import TargetRunner, pad_batch
+from dflash.targets.load import load_for_features
+from dflash.targets.runner import TargetRunner, pad_batch
 from test_extract_run import one_torch_thread  # noqa: F401
 
 # transformers' or torch's internals: `DFLASH_CI=newest bash .ci/run` runs these on the newest releases
@@ -61,7 +61,7 @@ def test_runner_drops_everything_after_the_last_captured_layer(tiny_qwen3):
 
 
 def test_cuda_extraction_leaves_cudnn_attention_out_and_restores_the_choice():
-    from dflash.target.runner import attention_backends
+    from dflash.targets.runner import attention_backends
 
     flags = torch.backends.cuda
     before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled())

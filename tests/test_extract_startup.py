@@ -29,9 +29,9 @@ def _extract(model: Path, data: Path, out: Path) -> list[str]:
 
 
 def _patched(load: str, model: Path, data: Path, out: Path) -> list[str]:
-    """Return the command line of _extract with target/load.py's load_for_features replaced by `load` (Python source of a
+    """Return the command line of _extract with targets/load.py's load_for_features replaced by `load` (Python source of a
     function body with model_dir, device, dtype in scope): a load that fails or hangs where the real one would."""
-    src = ("import sys, time\nimport dflash.target.load as loading\nfrom dflash.errors import InputError\n"
+    src = ("import sys, time\nimport dflash.targets.load as loading\nfrom dflash.errors import InputError\n"
            f"def load_for_features(model_dir, device, dtype):\n    {load}\nloading.load_for_features = load_for_features\n"
            "from dflash.cli import main\nmain()\n")
     return [sys.executable, "-c", src, *_extract(model, data, out)[3:]]
@@ -133,7 +133,7 @@ def test_a_signal_during_the_load_stops_promptly(tiny_qwen3, data_file, tmp_path
 
 
 def test_the_prefetch_reads_every_weight_file_once(tmp_path):
-    from dflash.target.load import WeightPrefetch
+    from dflash.targets.load import WeightPrefetch
 
     (tmp_path / "config.json").write_text("{}")
     sizes = {"model-00001-of-00002.safetensors": 3 << 20, "model-00002-of-00002.safetensors": (1 << 20) + 7,
@@ -149,7 +149,7 @@ def test_the_prefetch_reads_every_weight_file_once(tmp_path):
 
 @pytest.mark.parametrize("case", ["too_large", "no_folder", "no_weights"])
 def test_the_prefetch_skips_what_it_should_not_read(tmp_path, case):
-    from dflash.target.load import WeightPrefetch
+    from dflash.targets.load import WeightPrefetch
 
     (tmp_path / "model.safetensors").write_bytes(b"x" * 4096)
     folder = {"too_large": tmp_path, "no_folder": tmp_path / "absent", "no_weights": tmp_path / "empty"}[case]
@@ -162,7 +162,7 @@ def test_the_prefetch_skips_what_it_should_not_read(tmp_path, case):
 
 
 def test_a_cancelled_prefetch_stops_at_the_next_block(tmp_path):
-    from dflash.target.load import WeightPrefetch
+    from dflash.targets.load import WeightPrefetch
 
     (tmp_path / "model.safetensors").write_bytes(b"x" * (8 << 20))
     p = WeightPrefetch(tmp_path, block=1 << 20, available=1 << 40)

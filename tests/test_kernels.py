@@ -1,4 +1,4 @@
-"""target/kernels.py: the attention and experts kernels chosen per target and device, the self-check against the
+"""targets/kernels.py: the attention and experts kernels chosen per target and device, the self-check against the
 model's eager float32 forward, and the fallback (logged, recorded in the header and every commit record) when a
 kernel differs: real tiny targets, real kernels registered through transformers' own interfaces."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
-from dflash.target import kernels
-from dflash.target.kernels import Kernels
+from dflash.targets import kernels
+from dflash.targets.kernels import Kernels
 from dflash.tests.tiny_targets import TINY_WINDOW
 from test_targets import LAYERS, _extract, conversations, tiny_target  # noqa: F401
 from test_extract_run import one_torch_thread  # noqa: F401
@@ -27,7 +27,7 @@ from test_extract_run import one_torch_thread  # noqa: F401
 def test_the_attention_order_per_target_and_device(arch, device, want, tiny_target, monkeypatch):  # noqa: F811
     from transformers import AutoConfig
 
-    from dflash.target.adapter import _causal_lm_class, attention_for, layer_kinds, text_config
+    from dflash.targets.adapter import _causal_lm_class, attention_for, layer_kinds, text_config
 
     monkeypatch.setattr(kernels, "_flash_attn_installed", lambda: False)
     config = AutoConfig.from_pretrained(tiny_target(arch))
@@ -37,7 +37,7 @@ def test_the_attention_order_per_target_and_device(arch, device, want, tiny_targ
 
 
 def _load(path, dtype=torch.float32):
-    from dflash.target.load import load_for_features
+    from dflash.targets.load import load_for_features
 
     return load_for_features(path, torch.device("cpu"), dtype)
 
@@ -51,7 +51,7 @@ def test_moe_targets_try_grouped_gemms_then_the_loop_and_dense_ones_have_no_expe
 
 
 def test_the_float32_reference_of_a_bf16_target_is_its_float32_forward_and_leaves_it_bit_exact(tiny_target):  # noqa: F811
-    from dflash.target.adapter import text_model
+    from dflash.targets.adapter import text_model
 
     model = _load(tiny_target("gpt_oss"), torch.bfloat16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -122,7 +122,7 @@ def test_a_kernel_that_differs_is_not_used_and_the_run_says_so(arch, first, chos
 def test_a_bf16_run_allows_the_drift_its_own_eager_kernels_show(tiny_target, caplog):  # noqa: F811
     """In bf16 a kernel is compared with the eager float32 forward: past the fixed bound, it is still taken when it
     drifts no more than twice the model's own eager kernels in bf16 (the dtype's rounding, not the kernel)."""
-    from dflash.target.adapter import text_model
+    from dflash.targets.adapter import text_model
 
     model = _load(tiny_target("qwen3_moe"), torch.bfloat16)
     ids = torch.randint(0, 200, (2, 96))
@@ -145,12 +145,12 @@ def test_on_cuda_the_fastest_kernels_are_exact_and_taken(arch, tiny_target, capl
     self-check on rows longer than every window, and the cut runner's features equal the eager float32 model's."""
     from transformers import AutoModelForCausalLM
 
-    from dflash.target.load import load_for_features
-    from dflash.target.runner import TargetRunner
+    from dflash.targets.load import load_for_features
+    from dflash.targets.runner import TargetRunner
 
     dev = torch.device("cuda")
     model = load_for_features(tiny_target(arch), dev, torch.bfloat16)
-    from dflash.target.adapter import layer_kinds, text_config, text_model
+    from dflash.targets.adapter import layer_kinds, text_config, text_model
 
     kinds = layer_kinds(text_config(text_model(model).config))[: max(LAYERS) + 1]
     first = kernels.candidates(model, kinds, dev)[0]
@@ -184,7 +184,7 @@ def test_where_the_float32_reference_cannot_run_the_kernels_are_checked_against_
     check falls back to the model's own eager kernels in the run's dtype, and says so."""
     import contextlib
 
-    from dflash.target.runner import TargetRunner
+    from dflash.targets.runner import TargetRunner
 
     @contextlib.contextmanager
     def no_room(model, layers):
@@ -192,7 +192,7 @@ def test_where_the_float32_reference_cannot_run_the_kernels_are_checked_against_
         yield  # pragma: no cover
 
     monkeypatch.setattr(kernels, "_upcast", no_room)
-    said, logger = _Said(), logging.getLogger("dflash.target.kernels")
+    said, logger = _Said(), logging.getLogger("dflash.targets.kernels")
     logger.addHandler(said)
     level, logger.level = logger.level, logging.INFO
     try:

@@ -10,7 +10,7 @@ import pytest
 
 from dflash.config import EvalConfig, ExtractConfig, GenerateConfig, TrainConfig
 from dflash.errors import ConfigError, ManifestMismatch
-from dflash.target.numerics import (CAPABILITY_ENV, Capability, bf16_cost, capability_from, choose_dtype, cpu_capability,
+from dflash.targets.numerics import (CAPABILITY_ENV, Capability, bf16_cost, capability_from, choose_dtype, cpu_capability,
                              resolve_dtype)
 
 # transformers' or torch's internals: `DFLASH_CI=newest bash .ci/run` runs these on the newest releases
@@ -86,7 +86,7 @@ def test_the_capability_can_be_forced_and_a_wrong_name_is_refused():
 
 def test_explicit_bfloat16_on_a_cpu_without_native_bf16_warns_with_its_measured_cost(monkeypatch, caplog):
     monkeypatch.setenv(CAPABILITY_ENV, "AVX2")
-    caplog.set_level(logging.INFO, logger="dflash.target.numerics")
+    caplog.set_level(logging.INFO, logger="dflash.targets.numerics")
     assert resolve_dtype("bfloat16", "cpu") == "bfloat16"
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "--dtype auto would pick float32" in warned[0], warned
@@ -102,7 +102,7 @@ def test_explicit_bfloat16_on_a_cpu_without_native_bf16_warns_with_its_measured_
 def test_generate_keeps_float32_on_a_cpu_and_warns_for_bfloat16_there(tiny_qwen3, monkeypatch, caplog, tmp_path):
     from dflash.generate.model import resolve
 
-    caplog.set_level(logging.INFO, logger="dflash.target.numerics")
+    caplog.set_level(logging.INFO, logger="dflash.targets.numerics")
     monkeypatch.setenv(CAPABILITY_ENV, "AMX_BF16")  # native bf16 changes nothing: decoding verifies in float32
     made = dict(model=str(tiny_qwen3), prompts="p.jsonl", out=str(tmp_path / "o.jsonl"))
     assert resolve(GenerateConfig(**made)).dtype == "float32"
@@ -172,7 +172,7 @@ def test_train_auto_is_bf16_with_native_bf16_and_a_resume_keeps_the_runs_dtype(s
     from dflash.train.evaluate import run_eval
     from dflash.train.metrics import read_metrics
 
-    caplog.set_level(logging.INFO, logger="dflash.target.numerics")
+    caplog.set_level(logging.INFO, logger="dflash.targets.numerics")
     run = tmp_path / "run"
     monkeypatch.setenv(CAPABILITY_ENV, "AVX512_BF16")
     stage.run(TrainConfig(**train_opts(store, tiny_qwen3, run)))

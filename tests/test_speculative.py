@@ -232,7 +232,7 @@ def test_oracle_and_always_wrong_proposers_give_the_known_tau_both_ways(target, 
 def _fitted_drafter(tiny_qwen3, target, layer_ids, answers, block_size=4, steps=150):
     """Return a drafter trained by the training objective on the target's greedy answers to FIT_PROMPTS (overfit on
     purpose: it must accept some blocks and miss others)."""
-    from dflash.target.head import load_target_head
+    from dflash.targets.head import load_target_head
     from dflash.train.objective import drafter_loss
     from dflash.train.packing import pack_batch
 

@@ -11,7 +11,7 @@ from dflash.drafter.config import DrafterConfig
 from dflash.drafter.model import DFlashDrafter
 from dflash.decode.static import StaticDecoder
 from dflash.facts import build_target_layer_ids
-from dflash.target.static_kv import StaticTarget, fast_unsupported
+from dflash.targets.static_kv import StaticTarget, fast_unsupported
 from test_speculative import FIT_PROMPTS, PROMPTS, _fitted_drafter
 
 # transformers' or torch's internals: `DFLASH_CI=newest bash .ci/run` runs these on the newest releases
@@ -116,7 +116,7 @@ def test_the_cuda_arithmetic_decodes_as_the_dynamic_loop(target, fitted):
 
 
 def test_rows_linear_is_the_linear_row_by_row():
-    from dflash.target.static_kv import rows_linear
+    from dflash.targets.static_kv import rows_linear
 
     torch.manual_seed(0)
     for bias in (False, True):

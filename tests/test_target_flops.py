@@ -1,4 +1,4 @@
-"""target/flops.py's count of the target's forward against torch's FlopCounterMode and the model's own attention
+"""targets/flops.py's count of the target's forward against torch's FlopCounterMode and the model's own attention
 masks on tiny targets, and extract/perf.py's MFU figures."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash.extract.perf import perf_line, worker_perf
-from dflash.target.adapter import layer_kinds, text_config, text_model
-from dflash.target.flops import forward_flops, visible_pairs
-from dflash.target.kernels import Kernels
+from dflash.targets.adapter import layer_kinds, text_config, text_model
+from dflash.targets.flops import forward_flops, visible_pairs
+from dflash.targets.kernels import Kernels
 from dflash.tests.tiny_targets import TINY_WINDOW
 from test_flops import matmul_flops
 from test_targets import tiny_target  # noqa: F401

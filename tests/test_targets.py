@@ -108,7 +108,7 @@ def test_a_runner_that_differs_from_the_full_model_is_refused_before_any_store(t
                                                                                capsys, monkeypatch):
     """The hand-written loop dflash ran before (every layer with attention_mask=None) is wrong past Mistral's window:
     the self-check, on rows longer than every window, refuses it before the store exists."""
-    from dflash.target.runner import TargetRunner
+    from dflash.targets.runner import TargetRunner
 
     def unmasked(self, input_ids):
         text = self.text
@@ -132,7 +132,7 @@ def test_a_runner_that_differs_from_the_full_model_is_refused_before_any_store(t
 def test_the_head_is_read_from_a_wrapper_s_weight_names(arch, tiny_target):
     from transformers import AutoModelForCausalLM
 
-    from dflash.target.head import load_target_head
+    from dflash.targets.head import load_target_head
 
     model = tiny_target(arch)
     head = load_target_head(model)

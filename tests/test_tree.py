@@ -10,7 +10,7 @@ import torch
 from torch.nn import functional as F
 
 from dflash.drafter.attention import make_attend
-from dflash.target.head import load_target_head
+from dflash.targets.head import load_target_head
 from dflash.drafter.tree import best_scores, build_tree
 from dflash.train.objective import predict
 from dflash.train.packing import pack_batch

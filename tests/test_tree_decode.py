@@ -16,7 +16,7 @@ from dflash.decode.tree import TreeDecoder, tree_unsupported
 from dflash.drafter.tree import ancestor_mask, build_tree, device_tree, level_pairs
 from dflash.errors import InputError
 from dflash.facts import build_target_layer_ids
-from dflash.target.static_kv import StaticTarget
+from dflash.targets.static_kv import StaticTarget
 from test_speculative import FIT_PROMPTS, PROMPTS, _fitted_drafter
 from test_static_decode import random_drafter
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
     from ..config import EvalConfig
     from ..drafter.model import DFlashDrafter
-    from ..target.head import TargetHead
+    from ..targets.head import TargetHead
     from ..storage import Store
 
 __all__ = ["evaluate_shards", "run_eval", "format_eval"]
@@ -138,9 +138,9 @@ def run_eval(cfg: "EvalConfig") -> dict[str, Any]:
 
     from ..drafter.files import load_drafter
     from ..drafter.folders import resolve_drafter
-    from ..target.head import load_target_head
+    from ..targets.head import load_target_head
     from ..config import DTYPES
-    from ..target.numerics import compute_context, resolve_dtype
+    from ..targets.numerics import compute_context, resolve_dtype
     from ..storage import Store
     from .plan import split_shards
 

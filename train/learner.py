@@ -53,7 +53,7 @@ class Learner:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from ..drafter.model import DFlashDrafter
-        from ..target.head import load_target_head
+        from ..targets.head import load_target_head
         from .packing import batch_capacity
 
         self.cfg, self.dist, dev = cfg, dist, dist.device
@@ -81,7 +81,7 @@ class Learner:
 
     def autocast(self) -> Any:
         """Return the bf16 autocast context (or none for --dtype float32)."""
-        from ..target.numerics import compute_context
+        from ..targets.numerics import compute_context
 
         return compute_context(self.dist.device.type, self.cfg.dtype)
 

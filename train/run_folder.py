@@ -109,7 +109,7 @@ def resume_grad_accum(cfg: "TrainConfig", world: int, saved: dict[str, Any] | No
 
 
 def resolve_train_dtype(cfg: "TrainConfig", dist: Any, saved: dict[str, Any] | None = None) -> "TrainConfig":
-    """Return cfg with --dtype made concrete: rank 0 decides (target/numerics.py, logging why), every rank takes it.
+    """Return cfg with --dtype made concrete: rank 0 decides (targets/numerics.py, logging why), every rank takes it.
 
     A resumed run keeps the dtype it trained in when --dtype is auto, even where auto would now pick another (a run
     started on a GPU, resumed on a CPU without native bf16): changing numerics mid-run would break "resumed ==
@@ -117,7 +117,7 @@ def resolve_train_dtype(cfg: "TrainConfig", dist: Any, saved: dict[str, Any] | N
     that differs from the run's is refused by check_resume, as any other changed option.
     """
     from ..config import DTYPES
-    from ..target.numerics import resolve_dtype
+    from ..targets.numerics import resolve_dtype
 
     dtype = None
     if dist.rank == 0:

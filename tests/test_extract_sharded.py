@@ -21,6 +21,21 @@ from dflash.extract import run
 from dflash.extract.placement import SHARDED_BATCH_TOKENS, TargetSize, decide
 from test_extract_run import extract_config, one_torch_thread, store_samples, write_conversations  # noqa: F401
 
+
+def _fsdp_loading() -> bool:
+    """Return True if this transformers loads a model sharded by FSDP2 (DistributedConfig with fsdp_plan, 5.25)."""
+    from dflash.targets.sharded import _distributed_config
+
+    try:
+        _distributed_config()
+    except InputError:
+        return False
+    return True
+
+
+# Sharded loading is transformers' own (5.25 and later); on an older one --shard-weights refuses in one line.
+needs_fsdp_loading = pytest.mark.skipif(not _fsdp_loading(), reason="this transformers has no FSDP2 sharded loading")
+
 _ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 GB = 10**9
 
@@ -162,6 +177,7 @@ def _finish(p: subprocess.Popen) -> str:
     return err
 
 
+@needs_fsdp_loading
 @pytest.mark.parametrize("arch", ARCHS)
 def test_world_of_one_with_host_offload_equals_a_whole_copy(arch, targets, data, references, tmp_path, capsys):
     # One rank, its layers under FSDP2 (on a CPU the shards are in host memory already): the same store.
@@ -177,6 +193,7 @@ def test_world_of_one_with_host_offload_equals_a_whole_copy(arch, targets, data,
     assert result["plan"]["placement"]["offload"] and result["plan"]["tokens_per_s"] > 0
 
 
+@needs_fsdp_loading
 def test_two_ranks_sharing_one_copy_equal_a_whole_copy(targets, data, references, tmp_path):
     # 5 shards over 2 ranks: uneven rows, so one rank steps with empty forwards while the other finishes.
     from safetensors import safe_open
@@ -191,6 +208,7 @@ def test_two_ranks_sharing_one_copy_equal_a_whole_copy(targets, data, references
     assert len(held) == 2 and sum(held) == total and max(held) < 0.6 * total, (held, total)
 
 
+@needs_fsdp_loading
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, extra", [
     ("qwen3_moe", ()), ("qwen3_5", ("--offload", "cpu")), ("gpt_oss", ()), ("deepseek_v3", ("--offload", "cpu")),
@@ -201,6 +219,7 @@ def test_every_kind_sharded_over_two_ranks_equals_a_whole_copy(arch, extra, targ
     _assert_same(store_samples(cfg.out), references[arch, "short"])
 
 
+@needs_fsdp_loading
 @pytest.mark.slow
 def test_two_nodes_of_two_ranks_share_one_out(targets, data, references, tmp_path):
     # Two torchrun agents on one machine, as two nodes of a c10d rendezvous: 4 ranks, one copy a node.
@@ -233,6 +252,7 @@ def _rank_pid(agent: int, rank: int, deadline: float) -> int:
     raise AssertionError(f"torchrun started no rank {rank}")
 
 
+@needs_fsdp_loading
 def test_a_rank_killed_ends_its_peer_with_one_line_and_the_same_command_resumes(targets, long_data, references,
                                                                                 tmp_path):
     cfg = extract_config(targets["llama"], long_data, tmp_path / "store", shard_size=1)
@@ -254,6 +274,7 @@ def test_a_rank_killed_ends_its_peer_with_one_line_and_the_same_command_resumes(
     _assert_same(store_samples(cfg.out), references["llama", "long"])
 
 
+@needs_fsdp_loading
 @pytest.mark.slow
 def test_spawned_workers_of_one_command_share_one_copy(targets, data, references, tmp_path, monkeypatch):
     # `--gpus 0,1` without a launcher: the command spawns one worker per device, here two CPU "devices", as one
@@ -282,6 +303,7 @@ def test_spawned_workers_of_one_command_share_one_copy(targets, data, references
     _assert_same(store_samples(cfg.out), references["gpt_oss", "short"])
 
 
+@needs_fsdp_loading
 @pytest.mark.slow
 def test_dry_run_under_torchrun_measures_sharded_on_every_rank(targets, data, tmp_path):
     cfg = extract_config(targets["llama"], data, tmp_path / "store", shard_size=2)
@@ -294,6 +316,7 @@ def test_dry_run_under_torchrun_measures_sharded_on_every_rank(targets, data, tm
     assert not Path(cfg.out).exists(), "a dry run writes nothing"
 
 
+@needs_fsdp_loading
 @pytest.mark.gpu
 def test_host_offload_on_a_gpu_equals_the_resident_target(targets, data, tmp_path):
     # The path the CPU cannot take: CPUOffloadPolicy's pinned host shards, copied in layer by layer.
@@ -325,3 +348,11 @@ def test_a_launched_rank_shows_the_whole_run_from_the_store():
     p.update({"kind": "shard", "bytes": 10})
     assert p.display.done == 40 and p.rows == 3
     p.close()
+
+
+@pytest.mark.skipif(_fsdp_loading(), reason="this transformers loads sharded models: the tests above run")
+def test_a_transformers_without_sharded_loading_is_refused_in_one_line_naming_the_release():
+    from dflash.targets.sharded import _distributed_config
+
+    with pytest.raises(InputError, match=r"found transformers 5\.\d+.*pip install 'transformers>=5\.25'"):
+        _distributed_config()

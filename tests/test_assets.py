@@ -70,6 +70,21 @@ def test_a_foreign_folder_in_the_cache_is_refused(monkeypatch, tmp_path):
         assets.smollm2_folder()
 
 
+def test_a_folder_an_older_dflash_converted_is_removed_and_a_foreign_one_kept(tmp_path):
+    old = tmp_path / "smollm2-135m-instruct-bf16"  # version 1's name, its eos wrong under transformers 5.17
+    old.mkdir()
+    (old / "model.safetensors").write_bytes(b"x")
+    (old / assets.MARKER_NAME).write_text(json.dumps({"version": 1}))
+    foreign = tmp_path / "smollm2-135m-instruct-bf16-v7"
+    foreign.mkdir()
+    (foreign / "config.json").write_text("{}")
+    current = tmp_path / assets.SMOLLM2_FOLDER_NAME
+    current.mkdir()
+    (current / assets.MARKER_NAME).write_text(json.dumps({"version": assets.MARKER_VERSION}))
+    assets._remove_older_versions(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([foreign.name, current.name])
+
+
 @pytest.mark.slow
 def test_converted_folder_loads_offline_with_the_smollm2_facts(converted):
     import torch

@@ -7,6 +7,7 @@ __all__ = [
     "ConfigError",
     "StoreError",
     "StoreUnavailable",
+    "ClaimLost",
     "ManifestMismatch",
     "CorruptShard",
     "AssetError",
@@ -39,6 +40,10 @@ class StoreError(DflashError):
 
 class StoreUnavailable(StoreError):
     """A store that cannot be reached or accessed (an endpoint, credentials, a bucket): never taken for "no store"."""
+
+
+class ClaimLost(StoreError):
+    """A writer whose shard claim was taken over (it stalled past the claim's lease): it must not commit the shard."""
 
 
 class ManifestMismatch(StoreError):

@@ -52,6 +52,12 @@ FIXES: dict[str, tuple[str, str]] = {
         "Create the bucket, fix the credentials (the AWS chain: environment, `~/.aws`, `AWS_ENDPOINT_URL`) or the "
         "endpoint, and rerun the same command; nothing was written.",
     ),
+    "ClaimLost": (
+        "A writer that stalled past its shard claim's lease (`DFLASH_CLAIM_LEASE_S`, 600 s) while a peer on another "
+        "host took the shard over. It does not commit the shard; the peer does. Logged, and the run goes on.",
+        "Nothing to do; rerun `dflash extract` to confirm the store is complete. If writers stall that long often "
+        "(a busy shared file system), raise `DFLASH_CLAIM_LEASE_S` on every host.",
+    ),
     "ManifestMismatch": (
         "A store, run or drafter made with other settings than the ones asked for now: another target, other layer "
         "ids, another tokenizer or chat template, another hidden size.",

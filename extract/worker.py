@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import InputError, StoreError
+from ..errors import ClaimLost, InputError, StoreError
 from ..conversations import BadRowLog, Row
 from .placement import is_sharded
 from .plan import claim_order
@@ -87,7 +87,13 @@ def prepare_shard(rows: list[Row], encoder: Any, min_loss_tokens: int, strict: b
 
 
 def _commit(writer: Any, shard_id: int, extra: dict, open_writers: dict, done: list, report: Report, index: int) -> None:
-    record = writer.commit(extra)
+    try:
+        record = writer.commit(extra)
+    except ClaimLost as e:
+        # A peer took the shard over while this process stalled past its claim's lease: the peer commits it.
+        open_writers.pop(shard_id, None)
+        log.warning("%s", e)
+        return
     open_writers.pop(shard_id, None)
     done.append(shard_id)
     report({"kind": "shard", "worker": index, "shard": shard_id, "bytes": record.get("bytes", 0)})

@@ -78,6 +78,8 @@ class ShardWriter:
         self._times_lock = threading.Lock()
         for name in ("features", "feature_scales") if self._fp8 else ("features",):
             self._fs.makedirs(f"{self._dir}/{name}")
+        # Renews the claim while the shard is written, so peers on other hosts see this writer alive.
+        self._heartbeat = claims.Heartbeat(fs, shard_id, claim)
 
     # -- context manager -------------------------------------------------------------------------------------
     def __enter__(self) -> "ShardWriter":
@@ -92,6 +94,7 @@ class ShardWriter:
         if self._state == "open":
             self._state = "aborted"
             self._pool.shutdown(wait=True, cancel_futures=True)
+            self._heartbeat.stop()
             claims.release(self._fs, self.shard_id, self._claim)
 
     # -- appending -------------------------------------------------------------------------------------------
@@ -275,6 +278,9 @@ class ShardWriter:
             "extra": extra,
         }
         record["record_xxh3"] = record_digest(record)
+        # A writer that stalled past its lease may have lost the shard to a peer: only the claim's holder commits.
+        self._heartbeat.stop()
+        claims.check_still_ours(self._fs, self.shard_id, self._claim)
         self._fs.write_atomic(commit_path(self.shard_id), dumps(record))
         self._time("commit_files", time.perf_counter() - t1)
         log.debug("committed shard %d: %d samples, %d tokens", self.shard_id, record["num_samples"], T)

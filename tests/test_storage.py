@@ -17,8 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash.errors import CorruptShard, ManifestMismatch, StoreError
+from dflash.errors import ClaimLost, ConfigError, CorruptShard, ManifestMismatch, StoreError
 from dflash.storage import Store
+from dflash.storage import claims
 from dflash.storage import fs as fs_module
 from dflash.storage.fs import writer_tag
 from dflash.storage.follow import follow_commits
@@ -266,6 +267,56 @@ def test_claim_by_other_live_process_refused_dead_one_taken_over(tmp_path):
     assert taken is not None
     taken.commit()
     assert store.committed_ids() == [1]
+
+
+def _foreign_claim(store, shard_id, *, age, lease=600.0, token="theirs"):
+    record = {"host": "node-that-died", "pid": 1, "token": token, "time": time.time() - age}
+    if lease is not None:
+        record["lease_s"] = lease
+    store.fs.write_atomic(f"claims/{shard_id:05d}.json", json.dumps(record).encode())
+
+
+def test_another_hosts_claim_is_live_while_renewed_and_taken_over_once_its_lease_ran_out(tmp_path):
+    store = Store.create_or_open(str(tmp_path), header(num_shards=3))
+    _foreign_claim(store, 0, age=5)  # renewed 5 s ago: that writer is at work
+    assert store.try_claim(0) is None
+    _foreign_claim(store, 1, age=700)  # silent for longer than its lease: the machine is gone
+    taken = store.try_claim(1)
+    assert taken is not None
+    taken.commit()
+    _foreign_claim(store, 2, age=10 ** 6, lease=None)  # a claim from a dflash without leases: only an operator says
+    assert store.try_claim(2) is None
+    assert store.gc()["claims"] == 0 and store.committed_ids() == [1]
+
+
+def test_a_writer_renews_its_claim_and_never_commits_a_shard_taken_over(tmp_path, monkeypatch):
+    monkeypatch.setenv(claims.LEASE_ENV, "0.5")  # renewals every 0.1 s
+    store = Store.create_or_open(str(tmp_path), header(num_shards=2))
+    w = store.try_claim(0)
+    first = claims.read_claim(store.fs, 0)
+    assert first["lease_s"] == 0.5
+    time.sleep(0.5)
+    assert claims.read_claim(store.fs, 0)["time"] > first["time"]  # renewed while held
+    w.commit()
+    assert claims.read_claim(store.fs, 0) is None  # released at commit; no late renewal brings it back
+    time.sleep(0.3)
+    assert claims.read_claim(store.fs, 0) is None
+    stalled = store.try_claim(1)
+    _foreign_claim(store, 1, age=0, token="peer")  # a peer took it over while this writer stalled
+    with pytest.raises(ClaimLost, match=r"claims/00001.json: expected this process's claim on shard 1 before its "
+                                         r"commit, found it held by node-that-died \(pid 1\)"):
+        stalled.commit()
+    assert store.committed_ids() == [0]  # the shard is the peer's to commit
+    assert claims.read_claim(store.fs, 1)["token"] == "peer"  # and its claim is left alone
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "nan"])
+def test_a_bad_claim_lease_is_one_line(tmp_path, monkeypatch, value):
+    store = Store.create_or_open(str(tmp_path), header(num_shards=1))
+    monkeypatch.setenv(claims.LEASE_ENV, value)
+    with pytest.raises(ConfigError, match=rf"^DFLASH_CLAIM_LEASE_S='{value}': expected a number of seconds > 0"):
+        store.try_claim(0)
+    assert list((tmp_path / "claims").iterdir()) == []
 
 
 def test_an_interrupted_writer_releases_its_claims_and_its_half_written_claim(tmp_path, monkeypatch):

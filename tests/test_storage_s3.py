@@ -211,6 +211,27 @@ def test_dead_writers_claim_is_taken_over_and_live_claims_are_exclusive(s3):
     assert w is not None
     w.commit()
     assert st.committed_ids() == [1]
+    # A machine that died (or a pod back under another name): its claim is taken over once its lease ran out.
+    gone = {"host": "node-that-died", "pid": 7, "token": "y", "lease_s": 600}
+    st.fs.write_file("claims/00002.json", json.dumps({**gone, "time": time.time() - 30}).encode())
+    assert st.try_claim(2) is None  # renewed 30 s ago: alive
+    st.fs.write_file("claims/00002.json", json.dumps({**gone, "time": time.time() - 700}).encode())
+    w = st.try_claim(2)
+    assert w is not None
+    w.commit()
+    assert st.committed_ids() == [1, 2]
+
+
+def test_a_writer_renews_its_claim_on_s3(s3, monkeypatch):
+    monkeypatch.setenv("DFLASH_CLAIM_LEASE_S", "1")  # renewals every 0.2 s
+    st = Store.create_or_open(f"s3://{s3.bucket()}/renew", HEADER)
+    w = st.try_claim(0)
+    first = json.loads(st.fs.read_bytes("claims/00000.json"))
+    time.sleep(0.8)
+    assert json.loads(st.fs.read_bytes("claims/00000.json"))["time"] > first["time"]
+    w.commit()
+    time.sleep(0.4)
+    assert not st.fs.exists("claims/00000.json")  # released, and no late renewal made it again
 
 
 @pytest.mark.parametrize("case", ["missing bucket", "wrong credentials", "unreachable endpoint"])

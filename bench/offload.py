@@ -118,9 +118,9 @@ def run_case(name: str, args: argparse.Namespace) -> dict:
 def largest_target() -> str:
     """Return the largest target the placement rules let this machine extract on one GPU, resident and offloaded."""
     from dflash.extract.placement import GPU_USABLE, HOST_USABLE
-    from dflash.targets.load import _mem_available
+    from dflash.runtime.memory import host_available_bytes
 
-    host = _mem_available() or 0
+    host = host_available_bytes() or 0
     free = torch.cuda.mem_get_info(0)[0] if torch.cuda.is_available() else 0
     return (f"one GPU with {free / 1e9:.0f} GB free holds about {free * GPU_USABLE / 2e9:.0f}B parameters in bf16 "
             f"resident (less a batch's activations); host memory ({host / 1e9:.0f} GB available) holds about "

@@ -186,7 +186,7 @@ def _placement(cfg: "ExtractConfig", model_config: Any, devices: list[str], dept
     import torch
 
     from ..config.options import parse_shard_weights
-    from ..targets.load import _mem_available
+    from ..runtime.memory import host_available_bytes
     from ..targets.sharded import captured_size, init_group
     from .placement import placement_of, target_size
 
@@ -209,7 +209,7 @@ def _placement(cfg: "ExtractConfig", model_config: Any, devices: list[str], dept
             least = torch.tensor([free], dtype=torch.int64)
             dist.all_reduce(least, op=dist.ReduceOp.MIN)
             free = int(least.item())
-    placement = placement_of(cfg, size, free=free, host_free=_mem_available(), local_world=local_world,
+    placement = placement_of(cfg, size, free=free, host_free=host_available_bytes(), local_world=local_world,
                              world=world, on_gpu=on_gpu)
     if ranks.rank == 0:
         log.info("%s", placement.line())

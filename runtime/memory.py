@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["is_out_of_memory", "free_memory", "out_of_memory_error"]
+__all__ = ["is_out_of_memory", "host_available_bytes", "free_memory", "out_of_memory_error"]
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -16,6 +16,18 @@ def is_out_of_memory(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
 
 
+def host_available_bytes() -> int | None:
+    """Return the host's available memory (MemAvailable in /proc/meminfo) in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def free_memory(device: Any) -> str:
     """Return the device's free memory in words, for a message (the host's available memory for a CPU)."""
     import torch
@@ -25,9 +37,8 @@ def free_memory(device: Any) -> str:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             return f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB on {device}"
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if ":" in line}
-        return f"{info['MemAvailable'] / 2**30:.1f} GiB of host memory available"
+        available = host_available_bytes()
+        return "free memory unknown" if available is None else f"{available / 2**30:.1f} GiB of host memory available"
     except (OSError, KeyError, ValueError, IndexError, RuntimeError):
         return "free memory unknown"
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ConfigError, InputError
+from ..runtime.memory import host_available_bytes
 from .weights import check_weights
 
 __all__ = ["load_target", "check_weights", "check_finite", "load_for_features", "Loaded", "load_for_chat",
@@ -154,18 +155,6 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
 
 
-def _mem_available() -> int | None:
-    """Return MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 class WeightPrefetch:
     """Reads a model folder's weight files once on a daemon thread, so that the load after the imports finds them
     in the page cache.
@@ -187,7 +176,7 @@ class WeightPrefetch:
         self._block = block
         self._cancel = threading.Event()
         self._done = threading.Event()
-        avail = _mem_available() if available is None else available
+        avail = host_available_bytes() if available is None else available
         self.skipped: str | None = None
         if not self.files:
             self.skipped = "no local weight files"

@@ -95,14 +95,25 @@ class Servers:
         or the one model they all serve when `name` is None. ServerError when a server is not there or does not
         serve it (waits up to the timeout for a server still coming up)."""
         listed = {url: self._models(url) for url in self.urls}
+        # transformers serve 5.17 lists only the Hub cache's models (5.24 lists its folder too), not the folder it was started with: a
+        # server that lists nothing cannot be checked, and is asked for --served-model as given.
+        silent = [url for url, models in listed.items() if not models]
+        checked = {url: models for url, models in listed.items() if models}
         if name is None:
-            common = set.intersection(*(set(v) for v in listed.values()))
+            common = set.intersection(*(set(v) for v in checked.values())) if checked else set()
             if len(common) != 1:
+                if not checked:
+                    raise ServerError(
+                        f"--server {', '.join(silent)}: expected the served model on /v1/models, found an empty "
+                        "list (transformers serve 5.17 lists only models in the Hub cache); pass "
+                        "--served-model NAME, the model it serves (for `transformers serve FOLDER`: FOLDER)")
                 shown = "; ".join(f"{u} serves {sorted(v)}" for u, v in listed.items())
                 raise ServerError(f"--server: expected one model served by every server, found {shown}; pass "
                                   "--served-model NAME")
-            return common.pop()
-        for url, models in listed.items():
+            name = common.pop()
+        for url in silent:
+            log.info("generate: %s lists no model on /v1/models; asking it for %s unchecked", url, name)
+        for url, models in checked.items():
             if name not in models:
                 raise ServerError(f"--served-model {name}: {url} serves {sorted(models)}; pass one of them, or leave "
                                   "--served-model out when the servers serve one model")

@@ -38,6 +38,12 @@ ROWS = [
 SHARED_KEYS = {"messages", "source_row", "completion_tokens", "finish_reason", "turns"}
 
 
+# What each real server lists on /v1/models: transformers serve 5.17 lists nothing for a folder (5.24 and later list
+# it), and a run against it must name the model.
+_LISTED: dict[str, list[str]] = {}
+_FOLDER: dict[str, str] = {}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,7 +59,11 @@ class Serve:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+        # transformers 5.17's /v1/models scans the Hub cache and answers 500 when that folder does not exist.
+        hub = self.log.parent / "hub"
+        hub.mkdir(exist_ok=True)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
+               "HF_HUB_CACHE": str(hub)}
         cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve",
                str(self.folder), "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu"]
         with open(self.log, "ab") as log:
@@ -64,6 +74,9 @@ class Serve:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
                     if r.status == 200:
+                        with urllib.request.urlopen(self.url + "/v1/models", timeout=30) as m:
+                            _LISTED[self.url] = [d["id"] for d in json.loads(m.read())["data"]]
+                        _FOLDER[self.url] = str(self.folder)
                         return
             except OSError:
                 time.sleep(0.2)
@@ -107,6 +120,9 @@ def _records(path: Path) -> dict[int, dict]:
 
 def _served_cfg(urls: list[str], prompts: Path, out: Path, **kw) -> GenerateConfig:
     kw.setdefault("max_new_tokens", 8)
+    bases = [u.rstrip("/").removesuffix("/v1") for u in urls]
+    if any(u in _LISTED and not _LISTED[u] for u in bases):
+        kw.setdefault("served_model", next(_FOLDER[u] for u in bases if u in _FOLDER))
     return GenerateConfig(model=None, server=tuple(urls), prompts=str(prompts), out=str(out), **kw)
 
 
@@ -147,7 +163,9 @@ def test_served_rows_equal_the_in_process_rows(served, tiny_qwen3, prompts, refe
     assert recs[2]["turns"] == 2 and recs[2]["messages"][0] == {"role": "system", "content": "Be brief."}
     for rec in recs.values():
         assert normalise(rec)[0] == rec["messages"]  # extract reads it unchanged
-        assert rec["served_by"] == {"model": str(tiny_qwen3), "servers": [served.url]}
+        # The model the server says answered (transformers serve 5.17 adds the revision: FOLDER@main).
+        assert rec["served_by"]["model"] in (str(tiny_qwen3), f"{tiny_qwen3}@main")
+        assert rec["served_by"]["servers"] == [served.url]
         assert rec["sampling"] == {"temperature": 0.0, "max_tokens": 8, "seed": 0}
     saved = json.loads(out.with_name(out.name + ".config.json").read_text())
     assert (saved["server"], saved["served_model"], saved["model"]) == ([served.url], str(tiny_qwen3), None)
@@ -200,7 +218,8 @@ class _Fake(http.server.BaseHTTPRequestHandler):
         if self.server.key and self.headers.get("Authorization") != f"Bearer {self.server.key}":
             self._send(401, {"error": "invalid api key"})
             return
-        self._send(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        models = [] if self.server.silent else [{"id": "fake", "object": "model"}]
+        self._send(200, {"object": "list", "data": models})
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -241,11 +260,22 @@ class _FakeServer(http.server.ThreadingHTTPServer):
 @pytest.fixture
 def fake():
     server = _FakeServer(("127.0.0.1", 0), _Fake)
-    server.bodies, server.fail, server.key = [], False, None
+    server.bodies, server.fail, server.key, server.silent = [], False, None, False
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server
     server.shutdown()
     server.server_close()
+
+
+def test_a_server_that_lists_no_model_is_asked_for_the_named_one(fake, prompts, tmp_path, capsys):
+    fake.silent = True  # as transformers serve 5.17 of a folder: /v1/models is an empty list
+    url = f"http://127.0.0.1:{fake.server_port}"
+    line = _one_line(capsys, ["--prompts", str(prompts), "--out", str(tmp_path / "a.jsonl"), "--server", url])
+    assert line == (f"dflash: error: --server {url}: expected the served model on /v1/models, found an empty list "
+                    "(transformers serve 5.17 lists only models in the Hub cache); pass --served-model NAME, the "
+                    "model it serves (for `transformers serve FOLDER`: FOLDER)")
+    result = run(_served_cfg([url], prompts, tmp_path / "b.jsonl", served_model="my-model"))
+    assert result.answered == len(ROWS) and {b["model"] for b in fake.bodies} == {"my-model"}
 
 
 def test_sampling_mix_template_kwargs_and_reasoning_reach_the_wire_and_the_rows(fake, tmp_path):
@@ -348,11 +378,17 @@ def test_a_wrong_url_model_request_or_a_failing_server_is_one_line(served, fake,
     dead = f"http://127.0.0.1:{_free_port()}"
     line = _one_line(capsys, [*base, "--out", str(tmp_path / "a.jsonl"), "--server", dead, "--server-timeout", "1"])
     assert f"--server {dead}: no answer on {dead}/v1/models for 1 s (connection error" in line
-    line = _one_line(capsys, [*base, "--out", str(tmp_path / "b.jsonl"), "--server", served.url,
-                              "--served-model", "Qwen/Qwen3-8B"])
-    assert f"--served-model Qwen/Qwen3-8B: {served.url} serves ['{served.folder}']" in line
+    if _LISTED[served.url]:
+        line = _one_line(capsys, [*base, "--out", str(tmp_path / "b.jsonl"), "--server", served.url,
+                                  "--served-model", "Qwen/Qwen3-8B"])
+        assert f"--served-model Qwen/Qwen3-8B: {served.url} serves ['{served.folder}']" in line
+    else:  # transformers 5.17: the server lists nothing, so the model must be named
+        line = _one_line(capsys, [*base, "--out", str(tmp_path / "b.jsonl"), "--server", served.url])
+        assert f"--server {served.url}: expected the served model on /v1/models, found an empty list" in line
+    named = [] if _LISTED[served.url] else ["--served-model", str(served.folder)]
     # A request transformers serve refuses (it takes no top_k): 422, not retried.
-    line = _one_line(capsys, [*base, "--out", str(tmp_path / "c.jsonl"), "--server", served.url, "--top-k", "5"])
+    line = _one_line(capsys, [*base, *named, "--out", str(tmp_path / "c.jsonl"), "--server", served.url, "--top-k",
+                              "5"])
     assert "the first requests all failed" in line and "answered 422" in line and "top_k" in line
     fake.key = "sk-local"
     line = _one_line(capsys, [*base, "--out", str(tmp_path / "d.jsonl"), "--server",

@@ -348,6 +348,7 @@ def command_batches(model_dir: Path, data: Path, store: Path, device: torch.devi
     from dflash.config import ExtractConfig
     from dflash.targets.runner import pad_batch
     from dflash.conversations import read_rows
+    from dflash.extract.placement import RESIDENT_BATCH_TOKENS
     from dflash.extract.plan import make_plan, pack_batches, scan_rows
     from dflash.extract.template import ChatEncoder, load_template
     from dflash.extract.worker import prepare_shard
@@ -359,11 +360,14 @@ def command_batches(model_dir: Path, data: Path, store: Path, device: torch.devi
     encoder = ChatEncoder(tokenizer, load_template(tokenizer, None), cfg.max_length)
     rows = read_rows(cfg.data)
     plan = make_plan(header, rows, scan_rows(rows, cfg.max_length), (), cfg.out, [str(device)])
+    # The command's batch: --batch-tokens when given, else the default of a target resident on its GPU (what these
+    # benches run; extract/placement.py).
+    batch_tokens = cfg.batch_tokens or RESIDENT_BATCH_TOKENS
     batches = []
     for s in range(plan.num_shards):
         samples, _ = prepare_shard(plan.shard_rows(s)[2], encoder, cfg.min_loss_tokens, False)
         lengths = [len(s.input_ids) for s in samples]
-        batches += [pad_batch([samples[i].input_ids for i in idx], 0) for idx in pack_batches(lengths, cfg.batch_tokens)]
+        batches += [pad_batch([samples[i].input_ids for i in idx], 0) for idx in pack_batches(lengths, batch_tokens)]
     return header, batches
 
 

@@ -77,8 +77,8 @@ def _sync(device: torch.device) -> None:
 
 def command_figures(log: str) -> dict:
     """Return what the command's log says of its kernels and its MFU (extract/perf.py's summary line)."""
-    chose = re.search(r"dflash\.target\.kernels: kernels: (.*?) \(checked", log)
-    passed = re.findall(r"dflash\.target\.kernels: (.*?): (?:differs|cannot run)", log)
+    chose = re.search(r"dflash\.targets\.kernels: kernels: (.*?) \(checked", log)
+    passed = re.findall(r"dflash\.targets\.kernels: (.*?): (?:differs|cannot run)", log)
     mfu = re.search(r"MFU ([\d.]+)%", log)
     per = re.search(r"target forward ([\d.]+ \w?)FLOP a token", log)
     return {"kernels": chose.group(1) if chose else None, "passed_over": passed,

@@ -353,6 +353,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
     tl.add("store", time.perf_counter() - store_t0)
     world = ranks_from_env().world
     before = set(committed)
+    run_t0 = time.perf_counter()
     run_rows = (lambda: plan.rows_of(set(store.committed_ids()) - before)) if world > 1 else None
     progress = Progress(plan.rows_of(plan.left(committed)), show=rank == 0, run_rows=run_rows, world=world)
     base = 0 if local_rank is None else rank
@@ -378,6 +379,12 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
         progress.close()
     summary_t0 = time.perf_counter()
     summary = summarise(store, results)
+    if world > 1:
+        # This process's lines name its own devices only: the whole run's rate is read from the store, every rank's
+        # commits since this rank started.
+        ours = set(store.committed_ids()) - before
+        summary["this_run"] = {"ranks": world, "shards": len(ours), "seconds": round(time.perf_counter() - run_t0, 1),
+                               "tokens": sum(int(store.commit_record(s).get("num_tokens", 0)) for s in ours)}
     done = len(store.committed_ids()) >= store.num_shards
     if done and summary["samples"] == 0:
         raise InputError(
@@ -386,7 +393,8 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
         )
     if done and not finished:
         # Whoever sees every shard committed records the dataset totals (peers may do it too: same content).
-        store.mark_complete({k: v for k, v in summary.items() if k != "devices"} | {"config": cfg.to_dict()})
+        store.mark_complete({k: v for k, v in summary.items() if k not in ("devices", "this_run")}
+                            | {"config": cfg.to_dict()})
     elif rank == 0:
         log.info("other workers still hold shards; the last one to finish marks the store complete")
     if rank == 0:

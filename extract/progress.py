@@ -117,6 +117,11 @@ def format_summary(s: dict[str, Any], where: str, shown_rows: int = 5) -> str:
             rows = s[f"{what}_rows"].get(reason, [])
             more = ", ..." if len(rows) > shown_rows else ""
             lines.append(f"  {what} {n:,} rows ({reason}): rows {', '.join(map(str, rows[:shown_rows]))}{more}")
+    run = s.get("this_run")
+    if run:
+        rate = run["tokens"] / run["seconds"] if run["seconds"] else 0.0
+        lines.append(f"  all {run['ranks']} ranks: {run['shards']} shards, {run['tokens']:,} tokens committed in "
+                     f"{run['seconds']:.1f} s, {rate:,.0f} tok/s to disk (the lines below are this rank's devices)")
     for d in s["devices"]:
         lines.append(
             f"  {d['device']}: {d['shards']} shards, {d['tokens']:,} tokens, {d['tokens_per_s']:,.0f} tok/s forward, "

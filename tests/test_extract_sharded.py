@@ -200,7 +200,12 @@ def test_two_ranks_sharing_one_copy_equal_a_whole_copy(targets, data, references
 
     cfg = extract_config(targets["llama"], data, tmp_path / "store", shard_size=2)
     err = _finish(torchrun(2, _argv(cfg, "--shard-weights", "2", level="info")))
-    _assert_same(store_samples(cfg.out), references["llama", "short"])
+    # Rank 0's summary gives the whole run's rate from the store, beside its own device's line.
+    whole = re.search(r"all 2 ranks: (\d+) shards, ([\d,]+) tokens committed in [\d.]+ s, [\d,]+ tok/s to disk", err)
+    stored = store_samples(cfg.out)
+    # (a peer's last commit may land just after rank 0 sums them: at most all of them)
+    assert whole and 0 < int(whole.group(2).replace(",", "")) <= sum(len(v[0]) for v in stored.values()), err[-3000:]
+    _assert_same(stored, references["llama", "short"])
     # Each rank holds its half of the weights, never the whole: together exactly one copy.
     with safe_open(str(targets["llama"] / "model.safetensors"), "pt") as f:
         total = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()) * 4  # fp32

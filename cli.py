@@ -60,8 +60,19 @@ def extract(**opts: Any) -> None:
     cfg = make_config(ExtractConfig, opts)
     check_model_dir(cfg.model, "--model")
     from . import extract as stage
+    from .runtime.memory import is_out_of_memory, out_of_memory_error
 
-    stage.run(cfg)
+    try:
+        stage.run(cfg)
+    except Exception as e:
+        # A forward that runs out splits its batch (extract/pipeline.py); this is memory that ran out elsewhere: the
+        # target's load, its start-up self-check, a peer's share on a GPU another process fills.
+        if not is_out_of_memory(e):
+            raise
+        raise out_of_memory_error(
+            "dflash extract (loading or checking the target)", "cuda" if cfg.gpus != "cpu" and _cuda() else "cpu",
+            "more free memory on the GPUs (--gpus), the weights over more GPUs or in host memory (--shard-weights K, "
+            "--offload cpu), or a smaller --batch-tokens; committed shards are kept", e) from None
 
 
 @cli.command()

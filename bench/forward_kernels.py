@@ -85,7 +85,7 @@ def command_figures(log: str) -> dict:
             "mfu": float(mfu.group(1)) / 100 if mfu else None, "flop_a_token": per.group(1) if per else None}
 
 
-def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.device) -> list[dict]:
+def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.device, only: str | None = None) -> list[dict]:
     """Return, per kernel choice dflash would try for this target (targets/kernels.candidates), the truncated
     forward's cold and warm tok/s over the command's batches, its TFLOP/s and MFU (warm)."""
     from dflash.extract.perf import device_peak
@@ -100,6 +100,8 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
     name, peak = device_peak(str(device))
     out = []
     for k in kernels.candidates(model, runner.kinds, device):
+        if only is not None and str(k) != only:
+            continue  # --only-chosen: the kernels the command's self-check chose, nothing else
         row = {"kernels": str(k), "tokens": tokens, "flops_per_token": round(flops / tokens)}
         try:
             kernels.apply(model, k)
@@ -134,7 +136,9 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     work, folder, data = bt.prepare_case(name, CASES[name], SMOKE[name] if args.smoke else None, args)
     cmd, _ = bt.extract_run(folder, data, work, "cpu" if args.smoke else "0", [], "")
     said = command_figures((work / "extract.log").read_text())
-    forwards = forward_by_kernels(folder, data, work / "store", device)
+    print(json.dumps({"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
+                                                **said}}), flush=True)
+    forwards = forward_by_kernels(folder, data, work / "store", device, said["kernels"] if args.only_chosen else None)
     done = [f for f in forwards if "warm_tok_s" in f]
     best = max(done, key=lambda f: f["warm_tok_s"]) if done else None
     out = {"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
@@ -171,6 +175,7 @@ def main() -> None:
     ap.add_argument("--case", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
     ap.add_argument("--tokens", type=int, default=150_000, help="tokens of conversations per case")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (check the script first)")
+    ap.add_argument("--only-chosen", action="store_true", help="time only the kernels the command chose")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = ap.parse_args()
     if args.smoke:

@@ -128,8 +128,10 @@ def main() -> None:
     ap.add_argument("--work", required=True)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--tokens", type=int, default=600_000, help="tokens of conversations for (1) and (2)")
-    ap.add_argument("--headroom-gib", type=float, default=3.0, help="(2): GPU memory left beyond the weights")
-    ap.add_argument("--alone-headroom-gib", type=float, default=1.0, help="(3): GPU memory left beyond the weights")
+    ap.add_argument("--headroom-gib", type=float, default=5.0, help="(2): GPU memory left beyond the weights")
+    ap.add_argument("--alone-headroom-gib", type=float, default=5.0, help="(3): GPU memory left beyond the weights")
+    ap.add_argument("--starved-headroom-gib", type=float, default=0.5,
+                    help="(4): GPU memory left beyond the weights, too little for the start-up check")
     ap.add_argument("--long-tokens", type=int, default=65536, help="(3): tokens of each long row")
     args = ap.parse_args()
     work = Path(args.work)
@@ -183,11 +185,29 @@ def main() -> None:
           f"{'a traceback' if 'Traceback' in alone['stderr'] else 'no traceback'})")
     for line in alone["errors"]:
         print("    " + line)
+    if alone["code"] != 2 or "Traceback" in alone["stderr"]:
+        print(alone["stderr"][-4000:])
     rerun = extract(model, long_data, work / "alone", gpus, alone_flags)
     print(f"    the same command without the filler: exit {rerun['code']}, {rerun['wall_s']} s; "
           f"verify: {verify(work / 'alone') if rerun['code'] == 0 else rerun['stderr'][-2000:]}")
     if rerun["code"] == 0:
         print(f"    rows in the store: {len(rows_and_features(work / 'alone'))} of 4, each once")
+    if smoke:
+        return
+    # (4) so little memory that the target's start-up check cannot run: one line, not a traceback (2026-12-05's
+    # first run of (3) ended in one).
+    filler = Filler(weights + int(args.starved_headroom_gib * 2**30))
+    try:
+        starved = extract(model, data, work / "starved", gpus, batch)
+    finally:
+        filler.stop()
+    print(f"(4) starved ({args.starved_headroom_gib} GiB beyond the weights): exit {starved['code']} "
+          f"({len(starved['errors'])} error line(s), {'a traceback' if 'Traceback' in starved['stderr'] else 'no traceback'}); "
+          f"store left: {(work / 'starved').exists()}")
+    for line in starved["errors"]:
+        print("    " + line)
+    if starved["code"] != 2 or "Traceback" in starved["stderr"]:
+        print(starved["stderr"][-4000:])
 
 
 if __name__ == "__main__":

@@ -76,3 +76,24 @@ def test_out_of_memory_is_recognised_on_the_device_and_the_host():
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     with pytest.raises(torch.OutOfMemoryError):  # the hook raises the real class
         raise torch.OutOfMemoryError("x")
+
+
+def test_memory_that_runs_out_outside_a_forward_is_one_line_and_leaves_no_store(
+        tiny_qwen3, data_file, tmp_path, capsys, monkeypatch, one_torch_thread):  # noqa: F811
+    # On an H200 another process mostly held, the start-up check's float32 reference and its fallback both ran out
+    # (2026-12-05): a traceback then. The GPU's allocator is what cannot run here; the check is made to fail as it did.
+    import torch
+
+    from dflash.targets import kernels
+
+    def full(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.16 GiB.")
+
+    monkeypatch.setattr(kernels, "choose", full)
+    code, _, err = _extract(capsys, tiny_qwen3, data_file, tmp_path / "store")
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("dflash: error: ")]
+    assert len(errors) == 1, err[-2000:]
+    assert errors[0].startswith("dflash: error: dflash extract (loading or checking the target) ran out of memory ("), errors[0]
+    assert "Tried to allocate 1.16 GiB" in errors[0] and "--offload cpu" in errors[0], errors[0]
+    assert not (tmp_path / "store").exists()

@@ -117,7 +117,8 @@ def _upcast(model: Any, layers: Any) -> Iterator[None]:
     """Run every module in float32 while it runs, and in its own dtype again after: each decoder layer whole (its
     parts may read each other's weights), every other module by its own parameters and buffers.
 
-    bf16 -> float32 -> bf16 is exact, so the weights come back bit for bit; at most one layer is float32 at a time.
+    bf16 -> float32 -> bf16 is exact, so the weights come back bit for bit; at most one layer is float32 at a time,
+    and the embedding and the head never are.
     """
     import torch
 
@@ -144,9 +145,27 @@ def _upcast(model: Any, layers: Any) -> Iterator[None]:
 
         return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
+    # The vocabulary-sized matrices need no float32 copy (V x H x 4 bytes each, the largest of the check: 1.2 GiB
+    # apiece for a 152K x 2,048 target): a plain embedding's rows are exact in float32 once looked up, and the head's
+    # logits are not part of the hidden states compared, so it runs in its own dtype.
+    def lookup_then_float(m: Any, args: Any, out: Any) -> Any:
+        return out.float()
+
+    def head_in_own_dtype(m: Any, args: Any) -> Any:
+        return (args[0].to(m.weight.dtype), *args[1:])
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     inside = {id(m) for layer in layers for m in layer.modules()}
     handles = [h for layer in layers for h in hooks(layer, own=False)]
-    handles += [h for m in model.modules() if id(m) not in inside and m is not model for h in hooks(m, own=True)]
+    for m in model.modules():
+        if id(m) in inside or m is model:
+            continue
+        if type(m) is torch.nn.Embedding:
+            handles.append(m.register_forward_hook(lookup_then_float))
+        elif m is head and isinstance(m, torch.nn.Linear):
+            handles.append(m.register_forward_pre_hook(head_in_own_dtype))
+        else:
+            handles += hooks(m, own=True)
     try:
         yield
     finally:

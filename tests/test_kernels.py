@@ -56,7 +56,12 @@ def test_the_float32_reference_of_a_bf16_target_is_its_float32_forward_and_leave
     model = _load(tiny_target("gpt_oss"), torch.bfloat16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(0, 200, (2, 3 * TINY_WINDOW))
+    # Neither vocabulary-sized matrix is copied to float32 (on a GPU the check's largest allocations).
+    seen = []
+    text_model(model).layers[0].register_forward_pre_hook(lambda m, a: seen.append(
+        (model.get_input_embeddings().weight.dtype, model.get_output_embeddings().weight.dtype, a[0].dtype)))
     got = kernels.eager_float32_states(model, text_model(model), ids, 5, [3 * TINY_WINDOW, 11])
+    assert seen == [(torch.bfloat16, torch.bfloat16, torch.float32)]
     after = model.state_dict()
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
     # The same weights, made float32 whole: the upcast one layer at a time computes the same forward.

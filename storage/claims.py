@@ -125,8 +125,7 @@ def lock_is_stale(fs: StoreFS, rel: str) -> bool:
 
 def release(fs: StoreFS, shard_id: int, claim: Claim) -> None:
     """Remove our claim file, unless someone else's claim has replaced it."""
-    current = read_claim(fs, shard_id)
-    if current is not None and current.get("token") == claim.get("token"):
+    if still_ours(fs, shard_id, claim):
         fs.rm(claim_path(shard_id))
 
 

@@ -220,6 +220,9 @@ def run(cfg: "ExtractConfig") -> dict[str, Any]:
     """Return the run summary after extracting every uncommitted shard of cfg.out (rerun the same config to resume)."""
     from .timeline import Timeline
 
+    from ..storage.claims import lease_seconds
+
+    lease_seconds()  # a bad DFLASH_CLAIM_LEASE_S is refused before the target loads, not at the first claim
     tl = Timeline()  # from this process's start: the parts of a one-device run add up to the command's wall time
     prefetch = _prefetch(cfg, tl)
     try:
@@ -378,13 +381,9 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
     finally:
         progress.close()
     summary_t0 = time.perf_counter()
-    summary = summarise(store, results)
-    if world > 1:
-        # This process's lines name its own devices only: the whole run's rate is read from the store, every rank's
-        # commits since this rank started.
-        ours = set(store.committed_ids()) - before
-        summary["this_run"] = {"ranks": world, "shards": len(ours), "seconds": round(time.perf_counter() - run_t0, 1),
-                               "tokens": sum(int(store.commit_record(s).get("num_tokens", 0)) for s in ours)}
+    # Under torchrun this process's lines name its own devices only: the whole run's rate comes from the store,
+    # every rank's commits since this rank started.
+    summary = summarise(store, results, since=(before, world, time.perf_counter() - run_t0) if world > 1 else None)
     done = len(store.committed_ids()) >= store.num_shards
     if done and summary["samples"] == 0:
         raise InputError(

@@ -56,9 +56,13 @@ class Progress:
         self.display.close()
 
 
-def summarise(store: Any, worker_results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Return dataset-level totals over every committed shard, plus this run's per-device rates and disk waits."""
+def summarise(store: Any, worker_results: list[dict[str, Any]],
+              since: tuple[set[int], int, float] | None = None) -> dict[str, Any]:
+    """Return dataset-level totals over every committed shard, plus this run's per-device rates and disk waits;
+    with `since` (the shards committed before this run, its ranks, its seconds), also what every rank committed in
+    this run ("this_run")."""
     samples = tokens = loss_tokens = nbytes = raw = 0
+    run_shards = run_tokens = 0
     # dropped: rows that gave no sample; altered: rows kept but changed (invalid UTF-8 replaced, cut at max length)
     counts: dict[str, dict[str, int]] = {"dropped": {}, "altered": {}}
     rows_of: dict[str, dict[str, list[int]]] = {"dropped": {}, "altered": {}}
@@ -66,6 +70,9 @@ def summarise(store: Any, worker_results: list[dict[str, Any]]) -> dict[str, Any
         rec = store.commit_record(sid)
         samples += rec.get("num_samples", 0)
         tokens += rec.get("num_tokens", 0)
+        if since is not None and sid not in since[0]:
+            run_shards += 1
+            run_tokens += int(rec.get("num_tokens", 0))
         loss_tokens += rec.get("num_loss_tokens", 0)
         nbytes += rec.get("bytes", 0)
         raw += rec.get("raw_feature_bytes", 0)
@@ -92,7 +99,10 @@ def summarise(store: Any, worker_results: list[dict[str, Any]]) -> dict[str, Any
         }
         for r in worker_results
     ]
+    this_run = ({"this_run": {"ranks": since[1], "shards": run_shards, "tokens": run_tokens,
+                              "seconds": round(since[2], 1)}} if since is not None else {})
     return {
+        **this_run,
         "samples": samples,
         "tokens": tokens,
         "loss_tokens": loss_tokens,

@@ -152,7 +152,7 @@ def _upcast(model: Any, layers: Any) -> Iterator[None]:
         return out.float()
 
     def head_in_own_dtype(m: Any, args: Any) -> Any:
-        return (args[0].to(m.weight.dtype), *args[1:])
+        return (args[0].to(m.weight.dtype), *args[1:]) if args else None
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     inside = {id(m) for layer in layers for m in layer.modules()}

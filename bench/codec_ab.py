@@ -1,24 +1,24 @@
 """Codec A/B of the feature store (issue 41, point 5): bytes a token and error of every codec on a target's real
-features, and, with --ab on a GPU machine, measured tau of a drafter trained from a store of each codec.
+features, and, on a finished `dflash demo` folder, measured tau of the demo's drafter trained from a store of each.
 
-    python -m dflash.bench.codec_ab --model FOLDER --smoke                 # CPU: bytes a token and error only
-    python -m dflash.bench.codec_ab --model FOLDER --data CONV.jsonl --prompts P.jsonl --ab --work /scratch/ab \
-        [--codecs blosc,fp8,bf16m3] [--extract-args "..."] [--train-args "..."]
+    python bench/codec_ab.py [--model FOLDER] [--smoke]          # bytes a token and error (the demo's SmolLM2)
+    python bench/codec_ab.py --demo DEMO_OUT --work /tmp/ab [--codecs bf16m2,fp8] [--json ab.json]
 
---ab runs, per codec, `dflash extract --codec C`, `dflash train` and `dflash eval --prompts` (measured tau by
-speculative decoding) with the same data, seeds and options, and prints one table: stored bytes a token (and x raw
-bf16) beside measured tau (and x the first codec's). The default codec changes only on such a table (issue 41:
-fewest bytes with measured tau within 1% of blosc's).
+--demo takes the demo's data, its lossless blosc store, its drafter and its decoding as the blosc arm; per codec it
+extracts the same data again with that codec, trains the same drafter with the same settings (the demo's own stage
+configs, demo.extract_config / demo.train_config), and scores it the same way: held-out tau_hat on the lossless
+held-out shards (exact features, as serving gives them) and measured tau, speculative against greedy decoding of the
+prompts the demo decoded. Prints one line per arm: stored bytes a token (x blosc, x raw bf16) beside tau_hat and
+measured tau (x blosc's). Every arm resumes, so a time limit costs only what was running. The default codec changes
+only on such a table (issue 41: the fewest bytes with measured tau within 1% of blosc's). On a GPU: after
+`dflash demo --device cuda --out DEMO_OUT`; on the 2-core CPU after `dflash demo`.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
-import subprocess
-import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -78,55 +78,108 @@ def measure(bits: np.ndarray, codecs: list[str], chunk: int = 512) -> list[dict]
     return rows
 
 
-def ab(args: argparse.Namespace, codecs: list[str]) -> list[dict]:
-    """Return per codec: its store's bytes a token and the measured tau of a drafter trained from it."""
-    rows = []
+def store_bytes(store_dir: Path) -> dict:
+    """Return a store's committed bytes, bytes a token and those over the raw bf16 features' (`dflash inspect`'s)."""
+    from dflash.storage.summary import inspect_store
+
+    info = inspect_store(str(store_dir))
+    return {"store_bytes": info["bytes_on_disk"], "bytes_per_token": info["bytes_per_token"],
+            "x_raw": 1 / info["compression_ratio"]}
+
+
+def arms(demo_dir: Path, work: Path, codecs: list[str]) -> dict:
+    """Return the A/B of the store's codecs on a finished `dflash demo` folder: its lossless blosc arm, and per codec
+    the same data extracted again with that codec, the same drafter trained from it (the demo's own stage configs),
+    scored the same way (held-out tau_hat on the lossless held-out shards, measured tau on the prompts the demo
+    decoded). Every arm resumes: a rerun after a time limit continues where the last one stopped."""
+    from dflash import demo
+    from dflash.config import DemoConfig, EvalConfig
+    from dflash.demo.assets import smollm2_folder
+    from dflash.demo.data import DATA_FILE, write_held_out_prompts
+    from dflash.extract import run as extract
+    from dflash.runtime.process import setup_logging
+    from dflash.train import run as train
+    from dflash.train.evaluate import run_eval
+
+    setup_logging("INFO")
+    src, work = demo_dir.resolve(), work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    summary = json.loads((src / "summary.json").read_text())
+    cfg = DemoConfig.load(src / "demo-config.json")
+    budget = demo.BUDGETS[cfg.budget]
+    target, data, lossless = smollm2_folder(), src / DATA_FILE, src / "store"
+    gpus = "0" if cfg.device == "cuda" else "cpu"
+    prompts = write_held_out_prompts(lossless, data, src / "run", budget.decode_prompts, 1 + budget.samples,
+                                     work / "decode-prompts.jsonl")
+
+    def tau_hat(run: Path) -> float:
+        return run_eval(EvalConfig(drafter=str(run), store=str(lossless)))["tau_hat"]
+
+    out = {"blosc": {**store_bytes(lossless), "tau_hat": tau_hat(src / "run"), "tau": summary["tau"],
+                     "identical": summary["identical_prompts"]}}
     for codec in codecs:
-        store, run, tau = (os.path.join(args.work, f"{x}-{codec}") for x in ("store", "run", "tau.jsonl"))
-        dflash = [sys.executable, "-m", "dflash.cli"]
-        subprocess.run([*dflash, "extract", "--model", args.model, "--data", args.data, "--out", store, "--codec",
-                        codec, *shlex.split(args.extract_args)], check=True)
-        subprocess.run([*dflash, "train", "--store", store, "--target", args.model, "--out", run,
-                        *shlex.split(args.train_args)], check=True)
-        ev = subprocess.run([*dflash, "eval", "--drafter", run, "--prompts", args.prompts, "--out", tau, "--json",
-                             *shlex.split(args.eval_args)], check=True, capture_output=True, text=True)
-        info = json.loads(subprocess.run([*dflash, "inspect", store, "--json"], check=True, capture_output=True,
-                                         text=True).stdout)
-        rows.append({"codec": codec, "bytes_per_token": info["bytes_per_token"],
-                     "x_raw": 1 / info["compression_ratio"], "eval": ev.stdout.strip().splitlines()[-1]})
-    return rows
+        store, run_dir, seconds = work / f"store-{codec}", work / f"run-{codec}", {}
+        t = time.perf_counter()
+        extract(demo.extract_config(budget, target, data, store, gpus, codec=codec))
+        seconds["extract"] = time.perf_counter() - t
+        t = time.perf_counter()
+        train(demo.train_config(budget, store, target, run_dir, gpus))
+        seconds["train"] = time.perf_counter() - t
+        t = time.perf_counter()
+        dec = demo.decode_prompts(work / f"decode-{codec}.jsonl", run_dir, target, prompts, device=cfg.device,
+                                  max_new_tokens=budget.decode_tokens, numerics=demo.data_numerics(lossless))
+        seconds["decode"] = time.perf_counter() - t
+        out[codec] = {**store_bytes(store), "tau_hat": tau_hat(run_dir), "tau": dec["tau"], "identical": dec["identical_prompts"],
+                      "seconds": {k: round(v, 1) for k, v in seconds.items()}}
+        print(json.dumps({codec: out[codec]}), flush=True)
+    base = out["blosc"]
+    for name, a in out.items():
+        a["x_blosc_bytes"] = a["bytes_per_token"] / base["bytes_per_token"]
+        a["x_blosc_tau"] = a["tau"] / base["tau"]
+        a["x_blosc_tau_hat"] = a["tau_hat"] / base["tau_hat"]
+    return {"demo": str(src), "budget": cfg.budget, "device": cfg.device, "decoded_prompts": len(prompts.read_text(
+        ).splitlines()), "arms": out}
 
 
-def main() -> None:
+def print_arms(result: dict) -> None:
+    n = result["decoded_prompts"]
+    for name, a in result["arms"].items():
+        print(f"{name:7s} {a['bytes_per_token']:10,.0f} B/token ({a['x_blosc_bytes']:.3f}x blosc"
+              + f", {a['x_raw']:.3f}x raw bf16), held-out tau_hat {a['tau_hat']:.3f} "
+              f"({a['x_blosc_tau_hat']:.3f}x), measured tau {a['tau']:.3f} ({a['x_blosc_tau']:.3f}x) over {n} prompts, "
+              f"{a['identical']}/{n} identical to greedy", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="target folder")
-    p.add_argument("--codecs", default="blosc,fp8,bf16m3,bf16m2")
+    p.add_argument("--model", help="bytes and error: the target folder (default: the demo's SmolLM2)")
+    p.add_argument("--codecs", default=None, help="default: blosc,fp8,bf16m3,bf16m2 (bytes), bf16m2,fp8 (--demo)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens of real features measured (bytes and error)")
     p.add_argument("--smoke", action="store_true", help="CPU, 1,024 tokens: bytes a token and error only")
-    p.add_argument("--ab", action="store_true", help="GPU: extract, train and eval per codec (measured tau)")
-    p.add_argument("--data", help="--ab: conversations of extract")
-    p.add_argument("--prompts", help="--ab: held-out prompts of eval (measured tau)")
-    p.add_argument("--work", default="codec-ab", help="--ab: folder of the stores and runs")
-    p.add_argument("--extract-args", default="--gpus 0")
-    p.add_argument("--train-args", default="--gpus 0")
-    p.add_argument("--eval-args", default="")
-    args = p.parse_args()
-    codecs = args.codecs.split(",")
-    from dflash.demo.assets import prompts_path  # the demo's prompts: real, varied text
+    p.add_argument("--demo", type=Path, help="A/B: a finished `dflash demo` folder (its data, store, run, decoding)")
+    p.add_argument("--work", type=Path, default=Path("codec-ab"), help="A/B: folder of the arms (resumable)")
+    p.add_argument("--json", type=Path, help="A/B: also write the result here")
+    args = p.parse_args(argv)
+    if args.demo is not None:
+        result = arms(args.demo, args.work, (args.codecs or "bf16m2,fp8").split(","))
+        print_arms(result)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+        return
+    codecs = (args.codecs or "blosc,fp8,bf16m3,bf16m2").split(",")
+    from dflash.demo.assets import prompts_path, smollm2_folder  # the demo's prompts: real, varied text
 
     with open(prompts_path(), encoding="utf-8") as f:
         texts = [json.dumps(json.loads(line)) for line in f if line.strip()]
     import torch
 
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    bits, ids = features(args.model, texts, 1024 if args.smoke else args.tokens, device)
-    print(f"{bits.shape[0]} tokens of layers {ids} of {args.model}")
+    model = args.model or str(smollm2_folder())
+    bits, ids = features(model, texts, 1024 if args.smoke else args.tokens, device)
+    print(f"{bits.shape[0]} tokens of layers {ids} of {model}")
     for r in measure(bits, codecs):
         print(f"{r['codec']:8s} {r['bytes_per_token']:10,.0f} B/token  {r['x_raw']:.3f}x raw bf16  rel. error mean "
               f"{r['rel_error_mean']:.4f} max {r['rel_error_max']:.4f}  encode {r['encode_mb_s']:,.0f} MB/s")
-    if args.ab:
-        for r in ab(args, codecs):
-            print(json.dumps(r))
 
 
 if __name__ == "__main__":

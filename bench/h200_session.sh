@@ -44,8 +44,9 @@ case "${1:-1}" in
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py > "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests exit $?" >> "$OUT/gpu.txt"
   ;;
 3)
-  timeout "$(left)" python3 bench/offload.py --work /tmp/bo --case qwen3_32b --tokens 400000 --out "$OUT/offload.json" \
+  timeout "$(left)" python3 bench/offload.py --work /tmp/bo --case qwen3_32b --tokens 400000 --trace --out "$OUT/offload.json" \
     > "$OUT/offload.txt" 2>&1; echo "offload exit $?" >> "$OUT/gpu.txt"
+  for f in /tmp/bo/*/timeline-*.json; do cp "$f" "$OUT/$(basename "$(dirname "$f")")-$(basename "$f")"; done
   ;;
 4)
   timeout 190 python3 bench/oom_split.py --work /tmp/boom --tokens 300000 > "$OUT/oom.txt" 2>&1; echo "oom exit $?" >> "$OUT/gpu.txt"
@@ -70,5 +71,5 @@ case "${1:-1}" in
   ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/bo -name '*.log' -size -1M 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
+for f in $(find /tmp/boom /tmp/fk /tmp/bo -name '*.log' -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

@@ -14,8 +14,12 @@ once more resident at 65,536 (the same batch as the offloaded run). Random weigh
 (this script with --child: the load is replaced by a random init on the GPU, which FSDP2 then moves into pinned host
 memory when offloaded; the folder holds a one-tensor weights file for the fingerprint). Printed per case: steady
 tok/s of each run (first forward to last commit, every byte on disk), offloaded / resident (the issue asks >= 0.9),
-the peak GPU memory each run reserved, each run's peak host RSS, and the largest target the placement rules let this
-machine extract (one GPU, resident or offloaded).
+the peak GPU memory each run reserved after its weights were made, each run's peak host RSS, the forward side's
+tok/s and the writer's waits, the --profile timeline's totals, and the largest target the placement rules let this
+machine extract (one GPU, resident or offloaded). Offloaded, the child also prints whether every host shard is
+pinned, their bytes beside the process's RSS, the host memory left, and the GB/s of one layer's copies to the GPU,
+and with --trace the command's third forward runs under torch.profiler (its kernel and copy totals land in the
+run's log; that forward is slower for it).
 """
 from __future__ import annotations
 
@@ -63,7 +67,40 @@ def random_sharded(model_dir: str | Path, device: torch.device, dtype: str, shar
     sharded._fully_shard_world_of_one(model, sharded.text_path(model), device, offload)
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # the peak of the run, not of the random init made on the GPU
+        if offload:
+            host_copies(model, sharded.text_path(model), device)
     return model.eval()
+
+
+def host_copies(model: object, path: str, device: torch.device) -> None:
+    """Print what the offloaded weights cost the host and what their copy to the GPU runs at: whether every shard
+    is pinned, their bytes beside the host memory the pinning took, the host memory left, and the bandwidth of one
+    decoder layer's copies to the GPU (the copies FSDP2 issues before each layer's forward), 5 times."""
+    import time
+
+    from dflash.runtime.memory import host_available_bytes
+
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    params = [fp for g in groups if g is not None for fp in g.fsdp_params]
+    datas = [fp._sharded_param_data for fp in params]
+    pinned = sum(d.is_pinned() for d in datas)
+    nbytes = sum(d.numel() * d.element_size() for d in datas)
+    rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    print(f"BENCH host_shards {len(datas)} pinned {pinned} bytes {nbytes} process_rss {rss} "
+          f"host_available {host_available_bytes()}", file=sys.stderr, flush=True)
+    layer = model.get_submodule(path).layers[0]
+    mine = [fp._sharded_param_data for fp in layer._get_fsdp_state()._fsdp_param_group.fsdp_params]
+    size = sum(d.numel() * d.element_size() for d in mine)
+    for i in range(6):  # the first round warms the allocator
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        on_gpu = [d.to(device, non_blocking=True) for d in mine]
+        torch.cuda.synchronize()
+        if i:
+            print(f"BENCH h2d_layer_gb_s {size / (time.perf_counter() - t) / 1e9:.1f} ({size / 1e9:.2f} GB)",
+                  file=sys.stderr, flush=True)
+        del on_gpu
 
 
 def child(argv: list[str]) -> None:
@@ -76,10 +113,39 @@ def child(argv: list[str]) -> None:
     loading.load_for_features = bt.random_target
     loading.check_weights = lambda path, **kw: None
     sharded.load_sharded = random_sharded
+    if torch.cuda.is_available() and os.environ.get("BENCH_TRACE") == "1":
+        profile_third_forward(sharded.ShardedRunner)
     if torch.cuda.is_available():
         atexit.register(lambda: print(f"BENCH peak_gpu_reserved {torch.cuda.max_memory_reserved()}", file=sys.stderr,
                                       flush=True))
     main(argv)
+
+
+def profile_third_forward(runner: type) -> None:
+    """Have the runner's third forward run under torch.profiler and print where its time went: the CUDA kernels'
+    and copies' totals (host-to-device copies are the offloaded weights) beside the forward's wall time."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    plain, calls = runner.hidden, [0]
+
+    def hidden(self, input_ids):
+        calls[0] += 1
+        if calls[0] != 3:
+            return plain(self, input_ids)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            out = plain(self, input_ids)
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
+        print(f"BENCH profiled forward: {input_ids.numel():,} tokens in {wall:.2f} s\n{table}", file=sys.stderr,
+              flush=True)
+        return out
+
+    runner.hidden = hidden
 
 
 def run_case(name: str, args: argparse.Namespace) -> dict:
@@ -97,14 +163,16 @@ def run_case(name: str, args: argparse.Namespace) -> dict:
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         log = work / f"extract-{tag}.log"
         cmd = bx.run_command(folder, data, work / "store", gpus, ["--dtype", "bfloat16", *flags], log,
-                             entry=[str(Path(__file__).resolve()), "--child"])
+                             profile=work / f"timeline-{tag}.json", entry=[str(Path(__file__).resolve()), "--child"])
         text = log.read_text()
         peak = re.search(r"BENCH peak_gpu_reserved (\d+)", text)
         weights = re.search(r"^.*weights: .*$", text, re.M)
         # ru_maxrss of the children is the largest of any child so far (KB): a later run's only when it is larger.
         rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        out[tag] = {"steady_tok_s": cmd["steady_tok_s"], "tokens": cmd["tokens"], "wall_s": round(cmd["wall_s"], 1),
-                    "load_s": cmd["load_s"], "gpu_peak_gb": round(int(peak.group(1)) / 1e9, 1) if peak else None,
+        out[tag] = {"steady_tok_s": cmd["steady_tok_s"], "forward_side_tok_s": cmd["forward_side_tok_s"],
+                    "tokens": cmd["tokens"], "wall_s": round(cmd["wall_s"], 1), "load_s": cmd["load_s"],
+                    "first_commit_s": cmd["first_commit_s"], "writer": cmd["writer"],
+                    "timeline": cmd["timeline_line"], "bench_lines": re.findall(r"^BENCH (?:host|h2d).*$", text, re.M), "gpu_peak_gb": round(int(peak.group(1)) / 1e9, 1) if peak else None,
                     "host_peak_rss_gb": round(rss * 1024 / 1e9, 1) if rss > before else "<= an earlier run's",
                     "placement": weights.group(0).split("weights: ", 1)[1] if weights else None}
         print(json.dumps({tag: out[tag]}), flush=True)
@@ -136,7 +204,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=600_000, help="tokens of conversations per case")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (check the script first)")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    ap.add_argument("--trace", action="store_true",
+                    help="offloaded: run the command's third forward under torch.profiler (costs that forward time)")
     args = ap.parse_args()
+    if args.trace:
+        os.environ["BENCH_TRACE"] = "1"
     if args.smoke:
         args.tokens = min(args.tokens, 20_000)
         RUNS[2][1][-1] = "4096"  # a CPU's tiny target: the same-batch run at a batch it takes in seconds

@@ -34,9 +34,10 @@ class ExtractConfig(StageConfig):
                    "the target's weights are sharded or offloaded, so that streaming them is small against the "
                    "forward].")
     codec: str = option("blosc", choices=CODECS,
-                        help="Feature encoding: blosc (lossless, ~0.69x raw bf16), none (raw), fp8 (lossy, ~0.43x), "
-                             "bf16m3 / bf16m2 (lossy, ~0.40x / ~0.35x: bf16 rounded to 3 / 2 of its 7 mantissa bits, "
-                             "relative error <= 1/16 / 1/8, no scales; their effect on tau is not measured yet).")
+                        help="Feature encoding: blosc (lossless, ~0.69x raw bf16), none (raw), fp8 (lossy, ~0.42x), "
+                             "bf16m3 / bf16m2 / bf16m1 (lossy, ~0.45x / ~0.39x / ~0.35x: bf16 rounded to 3 / 2 / 1 of "
+                             "its 7 mantissa bits, relative error <= 1/16 / 1/8 / 1/4, no scales; their effect on a "
+                             "GPU-trained drafter's tau is not measured yet).")
     chat_template: str | None = option(None, help="Jinja chat template file to use instead of the tokenizer's.")
     chat_template_kwargs: dict[str, Any] | None = option(
         None, parse="parse_json_object", metavar="JSON",

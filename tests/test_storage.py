@@ -79,7 +79,7 @@ def test_bf16_round_trip_is_bit_exact(lengths, seed, codec, as_tensor):
             np.testing.assert_array_equal(one[0], ids)
 
 
-@pytest.mark.parametrize("codec", ["blosc", "none", "fp8", "bf16m2"])
+@pytest.mark.parametrize("codec", ["blosc", "none", "fp8", "bf16m2", "bf16m1"])
 def test_zarr_reads_what_we_wrote(tmp_path, codec):
     import zarr
 
@@ -137,14 +137,14 @@ def test_trimmed_mantissa_codec_bounds_error_keeps_specials_and_shrinks(tmp_path
     assert ((y - x).abs()[normal] <= x.abs()[normal] / 16).all()  # round to nearest: at most half of 2^-3
     np.testing.assert_array_equal(trim_mantissa(trimmed, 3), trimmed)  # idempotent
     sizes = {}
-    for codec in ("blosc", "bf16m3", "bf16m2"):
+    for codec in ("blosc", "bf16m3", "bf16m2", "bf16m1"):
         store = Store.create_or_open(str(tmp_path / codec), header(codec))
         sizes[codec] = write_synthetic_shard(store, 0, num_samples=8)["bytes"]
         data = store.read_shard(0)
         ids, mask, ref_bits = synthetic_sample(0, 1, L, H)
         want = trim_mantissa(ref_bits, int(codec[-1])) if codec != "blosc" else ref_bits
         np.testing.assert_array_equal(bits_of(data.sample(1)[2]), want)  # read == written, trimmed
-    assert sizes["bf16m2"] < sizes["bf16m3"] < sizes["blosc"], sizes
+    assert sizes["bf16m1"] < sizes["bf16m2"] < sizes["bf16m3"] < sizes["blosc"], sizes
 
 
 def test_read_into_callers_buffer(tmp_path):

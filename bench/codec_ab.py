@@ -2,7 +2,7 @@
 features, and, on a finished `dflash demo` folder, measured tau of the demo's drafter trained from a store of each.
 
     python bench/codec_ab.py [--model FOLDER] [--smoke]          # bytes a token and error (the demo's SmolLM2)
-    python bench/codec_ab.py --demo DEMO_OUT --work /tmp/ab [--codecs bf16m2,fp8] [--json ab.json]
+    python bench/codec_ab.py --demo DEMO_OUT --work /tmp/ab [--codecs bf16m1,bf16m2,fp8] [--json ab.json]
 
 --demo takes the demo's data, its lossless blosc store, its drafter and its decoding as the blosc arm; per codec it
 extracts the same data again with that codec, trains the same drafter with the same settings (the demo's own stage
@@ -153,7 +153,8 @@ def print_arms(result: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="bytes and error: the target folder (default: the demo's SmolLM2)")
-    p.add_argument("--codecs", default=None, help="default: blosc,fp8,bf16m3,bf16m2 (bytes), bf16m2,fp8 (--demo)")
+    p.add_argument("--codecs", default=None,
+                   help="default: blosc,fp8,bf16m3,bf16m2,bf16m1 (bytes); bf16m1,bf16m2,fp8 (--demo)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens of real features measured (bytes and error)")
     p.add_argument("--smoke", action="store_true", help="CPU, 1,024 tokens: bytes a token and error only")
     p.add_argument("--demo", type=Path, help="A/B: a finished `dflash demo` folder (its data, store, run, decoding)")
@@ -161,12 +162,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, help="A/B: also write the result here")
     args = p.parse_args(argv)
     if args.demo is not None:
-        result = arms(args.demo, args.work, (args.codecs or "bf16m2,fp8").split(","))
+        result = arms(args.demo, args.work, (args.codecs or "bf16m1,bf16m2,fp8").split(","))
         print_arms(result)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1) + "\n")
         return
-    codecs = (args.codecs or "blosc,fp8,bf16m3,bf16m2").split(",")
+    codecs = (args.codecs or "blosc,fp8,bf16m3,bf16m2,bf16m1").split(",")
     from dflash.demo.assets import prompts_path, smollm2_folder  # the demo's prompts: real, varied text
 
     with open(prompts_path(), encoding="utf-8") as f:

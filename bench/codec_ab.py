@@ -129,7 +129,8 @@ def arms(demo_dir: Path, work: Path, codecs: list[str]) -> dict:
         dec = demo.decode_prompts(work / f"decode-{codec}.jsonl", run_dir, target, prompts, device=cfg.device,
                                   max_new_tokens=budget.decode_tokens, numerics=demo.data_numerics(lossless))
         seconds["decode"] = time.perf_counter() - t
-        out[codec] = {**store_bytes(store), "tau_hat": tau_hat(run_dir), "tau": dec["tau"], "identical": dec["identical_prompts"],
+        out[codec] = {**store_bytes(store), "tau_hat": tau_hat(run_dir), "tau": dec["tau"],
+                      "identical": dec["identical_prompts"],
                       "seconds": {k: round(v, 1) for k, v in seconds.items()}}
         print(json.dumps({codec: out[codec]}), flush=True)
     base = out["blosc"]

@@ -177,7 +177,8 @@ def run_case(name: str, args: argparse.Namespace) -> dict:
         out[tag] = {"steady_tok_s": cmd["steady_tok_s"], "forward_side_tok_s": cmd["forward_side_tok_s"],
                     "tokens": cmd["tokens"], "wall_s": round(cmd["wall_s"], 1), "load_s": cmd["load_s"],
                     "first_commit_s": cmd["first_commit_s"], "writer": cmd["writer"],
-                    "timeline": cmd["timeline_line"], "bench_lines": re.findall(r"^BENCH (?:host|h2d).*$", text, re.M), "gpu_peak_gb": round(int(peak.group(1)) / 1e9, 1) if peak else None,
+                    "timeline": cmd["timeline_line"], "bench_lines": re.findall(r"^BENCH (?:host|h2d).*$", text, re.M),
+                    "gpu_peak_gb": round(int(peak.group(1)) / 1e9, 1) if peak else None,
                     "host_peak_rss_gb": round(rss * 1024 / 1e9, 1) if rss > before else "<= an earlier run's",
                     "placement": weights.group(0).split("weights: ", 1)[1] if weights else None}
         print(json.dumps({tag: out[tag]}), flush=True)

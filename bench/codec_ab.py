@@ -2,6 +2,7 @@
 features, and, on a finished `dflash demo` folder, measured tau of the demo's drafter trained from a store of each.
 
     python bench/codec_ab.py [--model FOLDER] [--smoke]          # bytes a token and error (the demo's SmolLM2)
+    python bench/codec_ab.py --store DEMO_OUT/store --tokens 16384 # the same on the features a demo stored
     python bench/codec_ab.py --demo DEMO_OUT --work /tmp/ab [--codecs bf16m1,bf16m2,fp8] [--json ab.json]
 
 --demo takes the demo's data, its lossless blosc store, its drafter and its decoding as the blosc arm; per codec it
@@ -44,6 +45,26 @@ def features(model_dir: str, texts: list[str], max_tokens: int, device: str) -> 
             if total >= max_tokens:
                 break
     return np.concatenate(out)[:max_tokens], ids
+
+
+def stored_features(store_dir: Path, max_tokens: int) -> np.ndarray:
+    """Return the bf16 bits [T, L, H] of a lossless store's committed shards, in shard order, up to max_tokens."""
+    import torch
+
+    from dflash.storage import Store
+
+    store = Store.open(str(store_dir))
+    codec = store.header["codec"]
+    if codec not in ("blosc", "none"):
+        raise SystemExit(f"{store_dir}: expected a lossless store (--codec blosc or none), found --codec {codec}")
+    out, total = [], 0
+    for sid in store.committed_ids():
+        f = store.read_shard(sid).features
+        out.append(f.view(torch.int16).numpy().view(np.uint16))
+        total += out[-1].shape[0]
+        if total >= max_tokens:
+            break
+    return np.concatenate(out)[:max_tokens]
 
 
 def measure(bits: np.ndarray, codecs: list[str], chunk: int = 512) -> list[dict]:
@@ -123,7 +144,10 @@ def arms(demo_dir: Path, work: Path, codecs: list[str]) -> dict:
         extract(demo.extract_config(budget, target, data, store, gpus, codec=codec))
         seconds["extract"] = time.perf_counter() - t
         t = time.perf_counter()
-        train(demo.train_config(budget, store, target, run_dir, gpus))
+        # The drafter and weights the demo trained (its saved config holds what its budget resolved to): the
+        # TrainConfig defaults (DFlash 2, D-PACE) differ from the CPU budget's, so leaving them out compares drafters.
+        train(demo.train_config(budget, store, target, run_dir, gpus, drafter=cfg.drafter or budget.drafter,
+                                position_weights=cfg.position_weights or budget.position_weights))
         seconds["train"] = time.perf_counter() - t
         t = time.perf_counter()
         dec = demo.decode_prompts(work / f"decode-{codec}.jsonl", run_dir, target, prompts, device=cfg.device,
@@ -154,6 +178,8 @@ def print_arms(result: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="bytes and error: the target folder (default: the demo's SmolLM2)")
+    p.add_argument("--store", type=Path,
+                   help="bytes and error: read the features of this lossless (blosc or none) store, not a forward")
     p.add_argument("--codecs", default=None,
                    help="default: blosc,fp8,bf16m3,bf16m2,bf16m1 (bytes); bf16m1,bf16m2,fp8 (--demo)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens of real features measured (bytes and error)")
@@ -169,16 +195,20 @@ def main(argv: list[str] | None = None) -> None:
             args.json.write_text(json.dumps(result, indent=1) + "\n")
         return
     codecs = (args.codecs or "blosc,fp8,bf16m3,bf16m2,bf16m1").split(",")
-    from dflash.demo.assets import prompts_path, smollm2_folder  # the demo's prompts: real, varied text
+    if args.store is not None:  # what a store holds: the features extraction wrote (a demo's: its answers)
+        bits = stored_features(args.store, args.tokens)
+        print(f"{bits.shape[0]} tokens of the lossless store {args.store}")
+    else:
+        from dflash.demo.assets import prompts_path, smollm2_folder  # the demo's prompts: real, varied text
 
-    with open(prompts_path(), encoding="utf-8") as f:
-        texts = [json.dumps(json.loads(line)) for line in f if line.strip()]
-    import torch
+        with open(prompts_path(), encoding="utf-8") as f:
+            texts = [json.dumps(json.loads(line)) for line in f if line.strip()]
+        import torch
 
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    model = args.model or str(smollm2_folder())
-    bits, ids = features(model, texts, 1024 if args.smoke else args.tokens, device)
-    print(f"{bits.shape[0]} tokens of layers {ids} of {model}")
+        device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+        model = args.model or str(smollm2_folder())
+        bits, ids = features(model, texts, 1024 if args.smoke else args.tokens, device)
+        print(f"{bits.shape[0]} tokens of layers {ids} of {model}")
     for r in measure(bits, codecs):
         print(f"{r['codec']:8s} {r['bytes_per_token']:10,.0f} B/token  {r['x_raw']:.3f}x raw bf16  rel. error mean "
               f"{r['rel_error_mean']:.4f} max {r['rel_error_max']:.4f}  encode {r['encode_mb_s']:,.0f} MB/s")

@@ -30,8 +30,8 @@ CODECS = ("blosc", "none", "fp8", "bf16m3", "bf16m2", "bf16m1")
 # Lossy bf16 codecs that keep this many of bf16's 7 mantissa bits (rounded to nearest even), then the same
 # Blosc(zstd, byte shuffle) as blosc: the low byte, nearly random in bf16, becomes mostly zeros; unlike fp8 the values
 # need no scales (the exponent is untouched), so the relative error is at most 2^-(m+1) for every normal value,
-# outliers included. On the SmolLM2 demo's stored answers (bench/RESULTS.md, 2026-12-05): 0.444x / 0.385x / 0.349x of
-# raw bf16 for bf16m3 / bf16m2 / bf16m1 against fp8's 0.414x (relative error 2.6% / 5.1% / 9.9%, fp8 2.1%); byte
+# outliers included. On the SmolLM2 demo's stored answers (bench/RESULTS.md, 2026-12-05): 0.443x / 0.384x / 0.350x of
+# raw bf16 for bf16m3 / bf16m2 / bf16m1 against fp8's 0.417x (relative error 2.6% / 5.1% / 9.9%, fp8 2.1%); byte
 # shuffle beat bit shuffle for each, and zstd level 9 gains 2-4% for several times the encode time.
 TRIM_BITS = {"bf16m3": 3, "bf16m2": 2, "bf16m1": 1}
 

@@ -7,7 +7,8 @@
 #   PART 4: bench/oom_split.py, then bench/forward_kernels.py --only-chosen on the Qwen3-30B-A3B and DeepSeek-V3 shapes
 #   PART 5: the GPU demo (`dflash demo --device cuda`, the blosc arm of issue 41's codec A/B); the GGUF travels in two
 #           halves: .g1/part (its first 50,000,000 bytes) with an earlier call, kept in /tmp/g1part, .g2/part with this
-#   PART 6: the demo finished if a limit cut it, then bench/codec_ab.py --demo on it (the bf16m1, bf16m2 and fp8 arms; a second call continues them)
+#   PART 6: the demo finished if a limit cut it, then bench/codec_ab.py --demo on it (the bf16m1, bf16m2 and fp8
+#           arms, about 5.5 minutes each on an H200: a second call continues them)
 #   PART 7: bench/forward_kernels.py --only-chosen on the Qwen3.6-27B shape, then `pytest -m gpu tests/test_kernels.py`
 # Any part keeps a carried .g1/part in /tmp/g1part for part 5.
 set -u

@@ -1,5 +1,6 @@
-"""Benchmark of `dflash extract` with the target's weights in pinned host memory (--offload cpu, FSDP2 on a world
-of one) against the same target resident on the GPU, side by side in one run, through the real command.
+"""Benchmark of `dflash extract` with the target's weights in page-locked host memory (--offload cpu: its decoder
+layers streamed to the GPU a layer ahead of the forward, targets/streamed.py) against the same target resident on
+the GPU, side by side in one run, through the real command.
 
     source bench/device_env.sh && python3 bench/offload.py --work /tmp/bo [--case qwen36_27b,qwen3_32b]
     python3 bench/offload.py --smoke --work /tmp/bo-smoke      # the same path on the CPU, tiny shapes
@@ -11,14 +12,15 @@ Cases (bf16, --layers auto, one GPU):
 Each case runs the command twice on the same conversations: resident (--shard-weights 1 --offload none) and
 offloaded (--shard-weights 1 --offload cpu), each at the command's default batch (32,768 and 65,536 tokens), and
 once more resident at 65,536 (the same batch as the offloaded run). Random weights are made inside the command
-(this script with --child: the load is replaced by a random init on the GPU, which FSDP2 then moves into pinned host
-memory when offloaded; the folder holds a one-tensor weights file for the fingerprint). Printed per case: steady
-tok/s of each run (first forward to last commit, every byte on disk), offloaded / resident (the issue asks >= 0.9),
-the peak GPU memory each run reserved after its weights were made, each run's peak host RSS, the forward side's
-tok/s and the writer's waits, the --profile timeline's totals, and the largest target the placement rules let this
-machine extract (one GPU, resident or offloaded). Offloaded, the child also prints whether every host shard is
-pinned, their bytes beside the process's RSS, the host memory left, and the GB/s of one layer's copies to the GPU,
-and with --trace the command's third forward runs under torch.profiler (its kernel and copy totals land in the
+(this script with --child: the load is replaced by a random init on the GPU, whose decoder layers then move into
+page-locked host memory when offloaded; the folder holds a one-tensor weights file for the fingerprint). Printed
+per case: steady tok/s of each run (first forward to last commit, every byte on disk), offloaded / resident (the
+issue asks >= 0.9), the peak GPU memory each run reserved after its weights were made, each run's peak host RSS, the
+forward side's tok/s and the writer's waits, the --profile timeline's totals, and the largest target the placement rules let this
+machine extract (one GPU, resident or offloaded). Offloaded, the child also prints whether the host layers are
+page-locked, their bytes beside the process's RSS, the host memory left, and the GB/s of one layer's copy to the GPU
+alone; the command's own summary gives the streamed copies' GB/s and the seconds the forward waited for them; and
+with --trace the command's third forward runs under torch.profiler (its kernel and copy totals land in the
 run's log; that forward is slower for it).
 """
 from __future__ import annotations
@@ -56,59 +58,49 @@ RUNS = (("resident", ["--shard-weights", "1", "--offload", "none"]),
 
 
 def random_sharded(model_dir: str | Path, device: torch.device, dtype: str, shard: int, offload: bool) -> object:
-    """Return a random-init causal LM of the folder's config sharded as target.sharded.load_sharded shards a loaded
-    one on a world of one (built on the GPU; FSDP2 moves the shards into pinned host memory when offloaded)."""
+    """Return a random-init causal LM of the folder's config placed as target.sharded.load_sharded places a loaded
+    one for --shard-weights 1 --offload cpu: built on the GPU, then its decoder layers moved into page-locked host
+    memory and streamed a layer ahead (targets/streamed.py), the rest left on the GPU."""
     import torch.distributed as dist
 
-    from dflash.targets import sharded
+    from dflash.targets.adapter import text_model
+    from dflash.targets.streamed import stream_layers
 
-    assert dist.get_world_size() == 1, "the bench runs one GPU"
+    assert dist.get_world_size() == 1 and shard == 1 and offload, "the bench offloads on one GPU"
     model = bt.random_target(model_dir, device, getattr(torch, dtype))
-    sharded._fully_shard_world_of_one(model, sharded.text_path(model), device, offload)
+    model.dflash_stream = stream_layers(model, text_model(model), device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # the peak of the run, not of the random init made on the GPU
-        if offload:
-            try:  # FSDP2's internals: a torch that names them otherwise costs the figures, not the run
-                host_copies(model, sharded.text_path(model), device)
-            except Exception as e:  # noqa: BLE001
-                print(f"BENCH host_copies not measured: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        try:  # figures, not the run: a failure here costs them only
+            host_copies(model.dflash_stream, device)
+        except Exception as e:  # noqa: BLE001
+            print(f"BENCH host_copies not measured: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     return model.eval()
 
 
-def host_copies(model: object, path: str, device: torch.device) -> None:
-    """Print what the offloaded weights cost the host and what their copy to the GPU runs at: whether every shard
-    is pinned, their bytes beside the host memory the pinning took, the host memory left, and the bandwidth of one
-    decoder layer's copies to the GPU (the copies FSDP2 issues before each layer's forward), 5 times."""
+def host_copies(stream: object, device: torch.device) -> None:
+    """Print what the streamed weights cost the host and what one layer's copy to the GPU runs at alone: whether
+    the host buffers are page-locked, their bytes beside the process's RSS and the host memory left, and the GB/s of
+    one decoder layer's copy into a slot (the copy the forward overlaps with the previous layer), 5 times."""
     import time
 
     from dflash.runtime.memory import host_available_bytes
 
-    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]
-    params = [fp for g in groups if g is not None for fp in g.fsdp_params]
-    datas = [fp._sharded_param_data for fp in params]
-    pinned = sum(d.is_pinned() for d in datas)
-    nbytes = sum(d.numel() * d.element_size() for d in datas)
+    layer = stream.layers[0]
     rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    # The pinned allocator's own count: it rounds every block up to a power of two (torch's CachingHostAllocator;
-    # vllm #56410 measured 1.9x the host memory asked for), which these bytes beside `bytes` show.
-    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-    print(f"BENCH host_shards {len(datas)} pinned {pinned} bytes {nbytes} process_rss {rss} "
-          f"host_available {host_available_bytes()} pinned_allocator_bytes "
-          f"{stats.get('allocated_bytes.current', stats.get('allocated_bytes.all.current'))}", file=sys.stderr,
-          flush=True)
-    layer = model.get_submodule(path).layers[0]
-    mine = [fp._sharded_param_data for fp in layer._get_fsdp_state()._fsdp_param_group.fsdp_params]
-    size = sum(d.numel() * d.element_size() for d in mine)
-    for i in range(6):  # the first round warms the allocator
+    print(f"BENCH host_layers {len(stream.layers)} pinned {stream.pinned} host_bytes {stream.host_bytes} "
+          f"slot_bytes {sum(s.numel() for s in stream.slots)} process_rss {rss} host_available "
+          f"{host_available_bytes()} layer0_pinned {layer.host.is_pinned()}", file=sys.stderr, flush=True)
+    dst = stream.slots[0][: layer.nbytes]
+    for i in range(6):  # the first round warms up
         torch.cuda.synchronize()
         t = time.perf_counter()
-        on_gpu = [d.to(device, non_blocking=True) for d in mine]
+        dst.copy_(layer.host, non_blocking=True)
         torch.cuda.synchronize()
         if i:
-            print(f"BENCH h2d_layer_gb_s {size / (time.perf_counter() - t) / 1e9:.1f} ({size / 1e9:.2f} GB)",
-                  file=sys.stderr, flush=True)
-        del on_gpu
+            print(f"BENCH h2d_layer_gb_s {layer.nbytes / (time.perf_counter() - t) / 1e9:.1f} "
+                  f"({layer.nbytes / 1e9:.2f} GB)", file=sys.stderr, flush=True)
 
 
 def child(argv: list[str]) -> None:
@@ -184,6 +176,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict:
                     "tokens": cmd["tokens"], "wall_s": round(cmd["wall_s"], 1), "load_s": cmd["load_s"],
                     "first_commit_s": cmd["first_commit_s"], "writer": cmd["writer"],
                     "timeline": cmd["timeline_line"], "bench_lines": re.findall(r"^BENCH (?:host|h2d).*$", text, re.M),
+                    "streamed": (re.findall(r"weights streamed from .*$", text, re.M) or [None])[-1],
                     "gpu_peak_gb": round(int(peak.group(1)) / 1e9, 1) if peak else None,
                     "host_peak_rss_gb": round(rss * 1024 / 1e9, 1) if rss > before else "<= an earlier run's",
                     "placement": weights.group(0).split("weights: ", 1)[1] if weights else None}

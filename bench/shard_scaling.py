@@ -62,8 +62,10 @@ def random_sharded(model_dir: str | Path, device: torch.device, dtype: str, shar
     torch.manual_seed(0)  # every rank builds the same weights: its shards are then parts of one model
     model = bt.random_target(model_dir, device, getattr(torch, dtype))
     path, world = sharded.text_path(model), dist.get_world_size()
-    if world == 1:
-        sharded._fully_shard_world_of_one(model, path, device, offload)
+    if shard == 1:  # --offload cpu: a rank's own copy in host memory, streamed a layer ahead as the product does
+        from dflash.targets.streamed import stream_layers
+
+        model.dflash_stream = stream_layers(model, model.get_submodule(path), device)
     else:
         shape, names = ((world // shard, shard), ("dp_replicate", "fsdp")) if world > shard else ((shard,), ("fsdp",))
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)

@@ -63,8 +63,9 @@ class ExtractConfig(StageConfig):
              "chosen and why.")
     offload: str = option(
         "none", choices=OFFLOADS,
-        help="cpu: the weight shards live in pinned host memory and are copied in layer by layer (one GPU can run a "
-             "target larger than itself; a node's host memory holds one copy in all); none: they stay on the GPUs.")
+        help="cpu: the weights (or each rank's shard of them) live in pinned host memory and are copied to the GPU "
+             "layer by layer, the next layer while the current one runs (one GPU can run a target larger than "
+             "itself; a node's host memory holds one copy in all); none: they stay on the GPUs.")
     collective_timeout: int = option(
         600, help="Seconds a rank of a sharded target waits in a collective before it gives up (a peer killed or "
                   "hung): every rank then ends with one line, and rerunning the same command resumes.")

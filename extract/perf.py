@@ -39,6 +39,9 @@ def worker_perf(runner: Any, name: str, peak: float | None, flops: float, tokens
     if forward_device_s > 0:
         out["forward_device_s"] = round(forward_device_s, 4)
         out["forward_mfu"] = round(flops / forward_device_s / peak, 4) if peak else None
+    stream = getattr(runner, "weight_stream", None)  # targets/streamed.py: weights streamed from host memory
+    if stream is not None:
+        out["weights_streamed"] = stream.stats()
     return out
 
 
@@ -54,7 +57,14 @@ def perf_line(p: dict[str, Any]) -> str:
             mfu += f" (the forward alone {100 * p['forward_mfu']:.1f}%)"
     else:
         mfu = f"no MFU: the bf16 peak of {p['device_name']} is not known to dflash"
-    return f"kernels: {kernels}; target forward {per}, {rate} to disk, {mfu}"
+    line = f"kernels: {kernels}; target forward {per}, {rate} to disk, {mfu}"
+    w = p.get("weights_streamed")
+    if w:
+        speed = f"{w['copy_gb_s']:.1f} GB/s" if w.get("copy_gb_s") else "an unmeasured rate"
+        where = {True: "page-locked host memory", False: "pageable host memory"}.get(w["pinned"], "host memory")
+        line += (f"; weights streamed from {where} at {speed}, "
+                 f"the forward waited {w['forward_wait_s']:.1f} s for them")
+    return line
 
 
 def _si(x: float) -> str:

@@ -4,8 +4,9 @@ sharded load (each rank reads only its part of each tensor), and the runner that
 The load is transformers' own `from_pretrained(distributed_config=...)`: it builds the model on the meta device,
 applies `fully_shard` to every decoder layer and to the text stack, and reads each checkpoint tensor through its
 key mapping and weight conversions with `DtensorShardOperation`, which slices the safetensors on read (per-expert
-tensors a rank does not own are not read at all). A world of one (one GPU, weights in host memory) has no mesh there:
-its model loads into host memory (the one copy) and is sharded here.
+tensors a rank does not own are not read at all). A rank whose shard is itself alone (one GPU with its weights in
+host memory) needs no FSDP2: its model loads into host memory and targets/streamed.py streams its layers to the GPU
+a layer ahead of the forward (FSDP2 on a world of one copies each layer on the compute stream, with no overlap).
 """
 from __future__ import annotations
 
@@ -118,23 +119,6 @@ def _distributed_config() -> Any:
     return DistributedConfig
 
 
-def _fully_shard_world_of_one(model: Any, path: str, device: torch.device, offload: bool) -> None:
-    """Shard a loaded model over a world of one as the plan says (in pinned host memory on CUDA with offload)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-    mesh = init_device_mesh(device.type, (1,))
-    kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if offload and device.type == "cuda" else {}
-    if not kwargs:
-        model.to(device)
-    text = model.get_submodule(path)
-    for name in _plan(model, path):
-        modules = list(text.layers) if name.endswith(".layers.*") else [model.get_submodule(name)]
-        for m in modules:
-            fully_shard(m, mesh=mesh, reshard_after_forward=True, **kwargs)
-    fully_shard(model, mesh=mesh, **kwargs)
-
-
 def _prefetch_next(text: Any) -> None:
     """Have each decoder layer's forward start the next layer's all-gather (or host copy) before it runs."""
     from torch.distributed.fsdp import FSDPModule
@@ -147,29 +131,34 @@ def _prefetch_next(text: Any) -> None:
 def load_sharded(model_dir: str | os.PathLike, device: torch.device, dtype: str, shard: int, offload: bool) -> Any:
     """Return the target's causal LM in eval mode with its weights sharded over `shard` ranks of the process group
     (replicated over the rest), in pinned host memory when `offload` (on CUDA: on the CPU they are there already);
-    every rank reads only its part of each tensor. init_group() first."""
+    every rank reads only its part of each tensor. With offload and a shard of one rank the rank holds a whole copy
+    in host memory instead, whose decoder layers stream to the device a layer ahead of the forward (its
+    LayerStream is the model's `dflash_stream`). init_group() first."""
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .adapter import attention_for
 
-    DistributedConfig = _distributed_config()
     world = dist.get_world_size()
     config = AutoConfig.from_pretrained(os.fspath(model_dir))
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "attn_implementation": attention_for(config, device)}
+    if shard == 1:  # --offload cpu (else the target is not sharded): a copy in host memory, streamed a layer ahead
+        from .streamed import stream_layers
+
+        model = AutoModelForCausalLM.from_pretrained(os.fspath(model_dir), **kwargs)
+        model.dflash_stream = stream_layers(model, text_model(model), device)
+        return model.eval()
+    DistributedConfig = _distributed_config()
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     path, plan = text_path(meta), _plan(meta, text_path(meta))
-    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "attn_implementation": attention_for(config, device)}
     if device.type == "cuda":
         # transformers binds the device of LOCAL_RANK: the one --gpus gave this rank
         os.environ["LOCAL_RANK"] = str(device.index or 0)
-    if world > 1:
-        kwargs["distributed_config"] = DistributedConfig(
-            fsdp_size=shard, dp_replicate_size=world // shard, fsdp_plan=plan,
-            fsdp_cpu_offload=offload and device.type == "cuda")
+    kwargs["distributed_config"] = DistributedConfig(
+        fsdp_size=shard, dp_replicate_size=world // shard, fsdp_plan=plan,
+        fsdp_cpu_offload=offload and device.type == "cuda")
     model = AutoModelForCausalLM.from_pretrained(os.fspath(model_dir), **kwargs)
-    if world == 1:
-        _fully_shard_world_of_one(model, path, device, offload)
     model.eval()
     text = model.get_submodule(path)
     log.info("target %s: %d decoder layers sharded over %d of %d rank(s)%s; this rank holds %d bytes of weights",
@@ -206,6 +195,9 @@ class ShardedRunner(TargetRunner):
         model.lm_head = torch.nn.Identity()
         self._cut = True
         _prefetch_next(self.text)
+        self.weight_stream = getattr(model, "dflash_stream", None)  # targets/streamed.py: a copy in host memory
+        if self.weight_stream is not None:
+            self.weight_stream.trim()  # the layers past the deepest captured one leave host memory too
         self.device = device
         self.dtype = _local(self.text.embed_tokens.weight).dtype
 

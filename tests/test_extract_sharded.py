@@ -177,13 +177,15 @@ def _finish(p: subprocess.Popen) -> str:
     return err
 
 
-@needs_fsdp_loading
 @pytest.mark.parametrize("arch", ARCHS)
 def test_world_of_one_with_host_offload_equals_a_whole_copy(arch, targets, data, references, tmp_path, capsys):
-    # One rank, its layers under FSDP2 (on a CPU the shards are in host memory already): the same store.
+    # One rank, its decoder layers streamed from host memory a layer ahead (on a CPU, host to host): the same store,
+    # on any transformers (no FSDP2 loading is needed for a rank's own copy).
     cfg = extract_config(targets[arch], data, tmp_path / "store", shard_size=2, shard_weights="1", offload="cpu")
-    run(cfg)
+    streamed = run(cfg)["devices"][0]["perf"]["weights_streamed"]
     _assert_same(store_samples(cfg.out), references[arch, "short"])
+    assert streamed["copies"] > 0 and streamed["out_of_order"] <= 2, streamed  # the first, and the self-check's cut
+    assert "weights streamed from host memory at" in capsys.readouterr().err  # the summary
     dry = extract_config(targets[arch], data, tmp_path / "dry", shard_size=2, shard_weights="1", offload="cpu",
                          dry_run=True, batch_tokens=None, max_length=256)
     capsys.readouterr()
@@ -321,10 +323,10 @@ def test_dry_run_under_torchrun_measures_sharded_on_every_rank(targets, data, tm
     assert not Path(cfg.out).exists(), "a dry run writes nothing"
 
 
-@needs_fsdp_loading
 @pytest.mark.gpu
 def test_host_offload_on_a_gpu_equals_the_resident_target(targets, data, tmp_path):
-    # The path the CPU cannot take: CPUOffloadPolicy's pinned host shards, copied in layer by layer.
+    # What the CPU cannot show: page-locked host layers copied on a stream of their own while the previous layer
+    # runs, each forward waiting on its layer's copy.
     import torch
 
     want = extract_config(targets["qwen3_moe"], data, tmp_path / "resident", shard_size=2, gpus="0")

@@ -1,0 +1,312 @@
+"""A target's decoder layers kept in pinned host memory and streamed to the device one layer ahead of the forward.
+
+Each decoder layer's parameters live in one flat host buffer of exactly their bytes (page-locked with
+cudaHostRegister, not torch's pinned allocator, which rounds every block up to a power of two). The device holds the
+rest of the model (embedding, norms, rotary tables) and two slots of the largest layer's bytes: while layer i runs
+in one slot, layer i+1 is copied into the other on a stream of its own, so the copy hides behind the compute. A
+layer's forward pre-hook waits for its copy and points its parameters at the slot; its forward hook gives the slot
+back and starts the next copy. Layers that run out of the expected order (the self-check's full forward, a forward
+that failed half-way, a cut) are fetched when asked, so any order is correct and the usual order is fast.
+
+This replaces FSDP2's CPU offload on a world of one, whose forward copies each layer on the compute stream right
+before using it (torch's world-size-1 shortcut has nothing to prefetch into), so the copies never overlap the
+compute. On the CPU the slots are host memory too and the copies are plain ones: the same path, tested where no GPU
+is.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["LayerStream", "stream_layers"]
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 256  # every parameter starts at a multiple of this in its layer's buffer (any dtype's view, CUDA's loads)
+_SLOTS = 2  # the layer running and the one being copied in (extract/placement.py counts two layers on the GPU)
+
+
+@dataclass
+class _Layer:
+    module: torch.nn.Module
+    host: torch.Tensor  # uint8, the layer's parameters back to back
+    params: list[tuple[torch.nn.Parameter, int, int, torch.dtype, torch.Size]]  # (param, offset, bytes, dtype, shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel()
+
+
+def _views(flat: torch.Tensor, layer: _Layer) -> list[torch.Tensor]:
+    """Return the layer's parameters as views of `flat` (a host buffer or a device slot)."""
+    return [flat[off:off + n].view(dtype).view(shape) for _, off, n, dtype, shape in layer.params]
+
+
+def _register(host: torch.Tensor) -> bool:
+    """Page-lock a host buffer in place (exactly its bytes); False if the driver refused."""
+    if host.numel() == 0:
+        return True
+    rc = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 1)  # 1: portable (every context)
+    return int(rc) == 0
+
+
+def _unregister(ptr: int, stream: Any) -> None:
+    """Undo _register once no copy from the buffer is in flight (a weakref.finalize callback: never raises)."""
+    try:
+        if stream is not None:
+            stream.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001  (interpreter shutdown: the process's memory goes with it)
+        pass
+
+
+class LayerStream:
+    """The decoder layers of `layers` (an nn.ModuleList the model's forward runs in order, re-read at each layer so a
+    later cut of the list is followed) streamed from host memory to `device`. Build it on a model in host memory;
+    stream_layers() moves the rest of the model to the device."""
+
+    def __init__(self, owner: torch.nn.Module, device: torch.device, attr: str = "layers") -> None:
+        self.owner, self.attr, self.device = owner, attr, device
+        self.cuda = device.type == "cuda"
+        modules = list(getattr(owner, attr))
+        counts: dict[int, int] = {}  # a parameter another layer or module also uses stays on the device
+        for _, p in owner.named_parameters(remove_duplicate=False):
+            counts[id(p)] = counts.get(id(p), 0) + 1
+        self.layers: list[_Layer | None] = []  # None: let go by trim()
+        self._index: dict[int, int] = {}
+        self.pinned: bool | None = True if self.cuda else None  # None: the CPU, whose "device" is host memory
+        self.copy_stream = torch.cuda.Stream(device=device) if self.cuda else None
+        for i, m in enumerate(modules):
+            self._index[id(m)] = i
+            self.layers.append(self._hold(m, counts))
+        slot_bytes = max((layer.nbytes for layer in self.layers if layer is not None), default=0)
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(_SLOTS)]
+        self._slot_of: dict[int, int] = {}  # layer -> slot holding (or being filled with) its weights
+        self._ready: dict[int, Any] = {}  # layer -> its copy's done event (CUDA)
+        self._freed: list[Any] = [None] * _SLOTS  # slot -> event after its last user's forward (CUDA)
+        self._running: int | None = None
+        self._timing: deque[tuple[str, Any, Any, int]] = deque()  # (kind, start, end, bytes) not yet folded
+        self.copied_bytes = 0
+        self.copy_s = 0.0
+        self.wait_s = 0.0
+        self.copies = 0
+        self.out_of_order = 0
+        self._hooks = {i: (m.register_forward_pre_hook(self._before), m.register_forward_hook(self._after))
+                       for i, m in enumerate(modules)}
+        memory = {True: "page-locked host memory", False: "pageable host memory (cudaHostRegister refused: "
+                  "copies run at the pageable rate)", None: "host memory"}[self.pinned]
+        log.info("weights: %d decoder layers (%s bytes) in %s, streamed to %s a layer ahead through %d slots of %s "
+                 "bytes", len(self.layers), f"{self.host_bytes:,}", memory, device, _SLOTS, f"{slot_bytes:,}")
+
+    # -- holding the weights -------------------------------------------------------------------------------------
+
+    def _hold(self, m: torch.nn.Module, counts: dict[int, int]) -> _Layer:
+        """Move one layer's own parameters into one flat host buffer (exact bytes, page-locked on CUDA) and its
+        buffers and shared parameters to the device."""
+        params, off = [], 0
+        for p in m.parameters():
+            if counts[id(p)] > 1:  # shared with another layer: it stays on the device for both
+                continue
+            n = p.numel() * p.element_size()
+            params.append((p, off, n, p.dtype, p.shape))
+            off += -(-n // _ALIGN) * _ALIGN
+        host = torch.empty(off, dtype=torch.uint8)
+        layer = _Layer(m, host, params)
+        for (p, *_), view in zip(params, _views(host, layer)):
+            view.copy_(p.data)
+            p.data = view  # the loaded tensor is freed here: one copy of the layer in host memory at any time
+        own = {id(p) for p, *_ in params}
+        for p in m.parameters():
+            if id(p) not in own:
+                p.data = p.data.to(self.device)
+        for sub in m.modules():
+            for leaf, b in list(sub._buffers.items()):
+                if b is not None:
+                    sub._buffers[leaf] = b.to(self.device)
+        if self.cuda:
+            if _register(host):
+                weakref.finalize(layer, _unregister, host.data_ptr(), self.copy_stream)
+            else:
+                self.pinned = False
+        return layer
+
+    @property
+    def host_bytes(self) -> int:
+        """Return the bytes of host memory the streamed layers hold."""
+        return sum(layer.nbytes for layer in self.layers if layer is not None)
+
+    # -- the forward's hooks -------------------------------------------------------------------------------------
+
+    def _order(self) -> list[int]:
+        return [self._index[id(m)] for m in getattr(self.owner, self.attr) if id(m) in self._index]
+
+    def _before(self, module: torch.nn.Module, args: Any) -> None:
+        i = self._index[id(module)]
+        if self._running is not None:  # the previous forward failed inside a layer: that layer is done
+            self._release(self._running)
+        if i not in self._slot_of:
+            self.out_of_order += 1
+            self._fetch(i, self._free_slot(evict=True))
+        slot = self._slot_of[i]
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(compute)
+            compute.wait_event(self._ready.pop(i))
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(compute)
+            self._time("wait", start, end, 0)
+        for (p, *_), view in zip(self.layers[i].params, _views(self.slots[slot], self.layers[i])):
+            p.data = view
+        self._running = i
+        self._prefetch(i)
+
+    def _after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._release(self._index[id(module)])
+
+    def _release(self, i: int) -> None:
+        """Give layer i's slot back (after its forward, in the compute stream's order) and start the next copy."""
+        slot = self._slot_of.pop(i)
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._freed[slot] = event
+        for (p, *_), view in zip(self.layers[i].params, _views(self.layers[i].host, self.layers[i])):
+            p.data = view
+        self._running = None
+        self._prefetch(i)
+
+    def _prefetch(self, i: int) -> None:
+        """Copy the layers that run after layer i (in the list's order, the first after the last) into free slots."""
+        order = self._order()
+        if i not in order:
+            return
+        at = order.index(i)
+        for k in range(1, _SLOTS + 1):
+            nxt = order[(at + k) % len(order)]
+            if nxt in self._slot_of:
+                continue
+            slot = self._free_slot(evict=False)
+            if slot is None:
+                return
+            self._fetch(nxt, slot)
+
+    def _free_slot(self, evict: bool) -> int | None:
+        """Return a slot no layer holds; with evict, else the one a prefetch (not the running layer) holds."""
+        held = set(self._slot_of.values())
+        for s in range(_SLOTS):
+            if s not in held:
+                return s
+        if not evict:
+            return None
+        for layer, s in list(self._slot_of.items()):
+            if layer != self._running:
+                del self._slot_of[layer]
+                self._ready.pop(layer, None)
+                return s
+        raise AssertionError("every slot is held by the running layer")
+
+    def _fetch(self, i: int, slot: int) -> None:
+        """Start the copy of layer i's weights into `slot` (after the slot's last user is done with it)."""
+        layer = self.layers[i]
+        dst = self.slots[slot][: layer.nbytes]
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                if self._freed[slot] is not None:
+                    self.copy_stream.wait_event(self._freed[slot])
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.copy_stream)
+                dst.copy_(layer.host, non_blocking=True)
+                done = torch.cuda.Event(enable_timing=True)
+                done.record(self.copy_stream)
+            self._ready[i] = done
+            self._time("copy", start, done, layer.nbytes)
+        else:
+            t = time.perf_counter()
+            dst.copy_(layer.host)
+            self.copy_s += time.perf_counter() - t
+            self.copied_bytes += layer.nbytes
+            self.copies += 1
+        self._slot_of[i] = slot
+
+    # -- what it cost --------------------------------------------------------------------------------------------
+
+    def _time(self, kind: str, start: Any, end: Any, nbytes: int) -> None:
+        self._timing.append((kind, start, end, nbytes))
+        if len(self._timing) > 512:
+            self._fold(block=False)
+
+    def _fold(self, block: bool) -> None:
+        """Add the finished copies' and waits' device times to the totals (all of them when block)."""
+        while self._timing:
+            kind, start, end, nbytes = self._timing[0]
+            if not block and not end.query():
+                return
+            end.synchronize()
+            self._timing.popleft()
+            s = start.elapsed_time(end) / 1e3
+            if kind == "copy":
+                self.copy_s += s
+                self.copied_bytes += nbytes
+                self.copies += 1
+            else:
+                self.wait_s += s
+
+    def stats(self) -> dict[str, Any]:
+        """Return what streaming cost so far: bytes copied, the copies' GB/s, the seconds the forward waited for
+        them (on CUDA, measured on the device), whether the host memory is page-locked."""
+        self._fold(block=True)
+        return {"host_bytes": self.host_bytes, "slot_bytes": sum(s.numel() for s in self.slots),
+                "pinned": self.pinned, "copies": self.copies, "copied_bytes": self.copied_bytes,
+                "copy_gb_s": round(self.copied_bytes / self.copy_s / 1e9, 2) if self.copy_s > 0 else None,
+                "copy_s": round(self.copy_s, 3), "forward_wait_s": round(self.wait_s if self.cuda else self.copy_s, 3),
+                "out_of_order": self.out_of_order}
+
+    def trim(self) -> int:
+        """Let go of the layers no longer in the list (extraction cuts those after the deepest captured one), so their
+        host memory is freed with them; return how many."""
+        keep = set(self._order())
+        gone = [i for i in self._hooks if i not in keep]
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        for i in gone:
+            for h in self._hooks.pop(i):
+                h.remove()
+            self._slot_of.pop(i, None)
+            self._ready.pop(i, None)
+            self._index = {k: v for k, v in self._index.items() if v != i}
+            self.layers[i] = None
+        return len(gone)
+
+    def close(self) -> None:
+        """Remove the hooks and leave every parameter in host memory."""
+        if self._running is not None:
+            self._release(self._running)
+        for pair in self._hooks.values():
+            for h in pair:
+                h.remove()
+        self._hooks.clear()
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+
+
+def stream_layers(model: torch.nn.Module, text: torch.nn.Module, device: torch.device) -> LayerStream:
+    """Stream the decoder layers of a causal LM loaded in host memory to `device` (LayerStream) and move the rest of
+    it there; an untied lm_head, which extraction never runs, is dropped instead (its bytes stay off the device)."""
+    head = getattr(model, "lm_head", None)
+    if head is not None and head.weight is not text.embed_tokens.weight:
+        model.lm_head = torch.nn.Identity()
+    stream = LayerStream(text, device)
+    layers = text.layers
+    text.layers = torch.nn.ModuleList()
+    try:
+        model.to(device)
+    finally:
+        text.layers = layers
+    return stream

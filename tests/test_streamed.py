@@ -1,0 +1,142 @@
+"""A target's decoder layers streamed from host memory a layer ahead of the forward (targets/streamed.py): every
+forward equals the model held whole, bit for bit, in the usual order, after the list is cut, after a forward that
+failed inside a layer and when a layer runs out of order; each layer's weights live in one host buffer of exactly
+their bytes, the device holds two slots; the copies are counted. On CUDA (marked gpu): the same with page-locked
+host buffers and copies on their own stream."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dflash.targets.adapter import text_model
+from dflash.targets.streamed import LayerStream, stream_layers
+
+
+def _model(layers: int = 5, seed: int = 0, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager").eval()
+
+
+def _states(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return list(text_model(model)(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states)
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for k, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x.cpu(), y.cpu()), f"hidden state {k} differs"
+
+
+def test_forwards_equal_the_model_held_whole_and_every_layer_after_the_first_is_prefetched():
+    whole = _model()
+    streamed = copy.deepcopy(whole)
+    stream = stream_layers(streamed, text_model(streamed), torch.device("cpu"))
+    seen = []
+
+    def in_a_slot(module, args, output):  # during its forward a layer's weights are the slot's, not the host's
+        ptrs = [p.data_ptr() for p in module.parameters()]
+        slots = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in stream.slots]
+        seen.append(all(any(lo <= q < hi for lo, hi in slots) for q in ptrs))
+
+    for layer in text_model(streamed).layers:
+        layer.mlp.register_forward_hook(in_a_slot)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 97, (2, 40), generator=gen)
+        _equal(_states(streamed, ids), _states(whole, ids))
+    assert len(seen) == 15 and all(seen)
+    s = stream.stats()
+    assert s["out_of_order"] == 1, "only the very first layer is fetched when asked; every other one was ahead"
+    assert s["copies"] >= 15 and s["copied_bytes"] == s["copies"] * stream.layers[0].nbytes
+    assert streamed.lm_head is not whole.lm_head and isinstance(streamed.lm_head, torch.nn.Identity), \
+        "the untied head extraction never runs is dropped"
+
+
+def test_each_layer_lives_in_one_host_buffer_of_its_bytes_and_the_device_holds_two_slots():
+    model = _model()
+    text = text_model(model)
+    text.layers[3].mlp.up_proj.weight = text.layers[1].mlp.up_proj.weight  # shared by two layers
+    stream = LayerStream(text, torch.device("cpu"))
+    for layer in stream.layers:
+        lo, hi = layer.host.data_ptr(), layer.host.data_ptr() + layer.nbytes
+        own = {id(p) for p, *_ in layer.params}
+        for p in layer.module.parameters():
+            inside = lo <= p.data_ptr() < hi
+            assert inside == (id(p) in own), "a layer's own parameters, and only those, are views of its buffer"
+        mine = sum(p.numel() * p.element_size() for p, *_ in layer.params)
+        assert mine <= layer.nbytes < mine + 256 * len(layer.params), "exact bytes, aligned"
+    shared = text.layers[1].mlp.up_proj.weight
+    assert all(id(shared) not in {id(p) for p, *_ in layer.params} for layer in stream.layers), \
+        "a parameter two layers use stays on the device for both"
+    assert len(stream.slots) == 2 and all(s.numel() == max(x.nbytes for x in stream.layers) for s in stream.slots)
+
+
+def test_a_cut_list_is_followed_and_trim_lets_the_cut_layers_go():
+    whole = _model(layers=6)
+    streamed = copy.deepcopy(whole)
+    text = text_model(streamed)
+    stream = stream_layers(streamed, text, torch.device("cpu"))
+    ids = torch.randint(0, 97, (1, 33), generator=torch.Generator().manual_seed(2))
+    _equal(_states(streamed, ids), _states(whole, ids))  # the self-check's full forward first, as a run does
+    before = stream.host_bytes
+    text.layers = text.layers[:4]
+    text_model(whole).layers = text_model(whole).layers[:4]
+    assert stream.trim() == 2 and stream.host_bytes == before * 4 // 6
+    for _ in range(2):
+        _equal(_states(streamed, ids), _states(whole, ids))
+
+
+def test_a_forward_that_failed_inside_a_layer_leaves_the_next_one_exact():
+    whole = _model()
+    streamed = copy.deepcopy(whole)
+    text = text_model(streamed)
+    stream = stream_layers(streamed, text, torch.device("cpu"))
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+
+    def boom(module, args, output):
+        raise RuntimeError("out of memory (simulated)")
+
+    hook = text.layers[2].mlp.register_forward_hook(boom)
+    with pytest.raises(RuntimeError, match="simulated"):
+        _states(streamed, ids)
+    hook.remove()
+    _equal(_states(streamed, ids), _states(whole, ids))
+    # layers called on their own, out of order, still get their own weights
+    h = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(5)[None]
+    rope = text.rotary_emb(h, pos)
+    with torch.no_grad():
+        for i in (4, 0, 3):
+            got = text.layers[i](h, position_embeddings=rope, position_ids=pos)
+            want = text_model(whole).layers[i](h, position_embeddings=rope, position_ids=pos)
+            got, want = (x[0] if isinstance(x, tuple) else x for x in (got, want))
+            assert torch.equal(got, want), f"layer {i} called alone differs"
+    assert stream.stats()["out_of_order"] >= 3
+    stream.close()
+    assert all(p.device.type == "cpu" for p in text.layers.parameters())
+
+
+@pytest.mark.gpu
+def test_on_cuda_host_layers_are_page_locked_and_forwards_equal_the_resident_model():
+    device = torch.device("cuda", 0)
+    whole = _model(layers=6, dtype=torch.bfloat16)
+    streamed = copy.deepcopy(whole)
+    whole.to(device)
+    stream = stream_layers(streamed, text_model(streamed), device)
+    assert stream.pinned and all(layer.host.is_pinned() for layer in stream.layers)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        ids = torch.randint(0, 97, (4, 128), generator=gen).to(device)
+        _equal(_states(streamed, ids), _states(whole, ids))
+    s = stream.stats()
+    assert s["out_of_order"] == 1 and s["copy_gb_s"] > 0 and s["forward_wait_s"] >= 0
+    assert all(p.device.type == "cpu" for p in text_model(streamed).layers.parameters()), \
+        "between forwards every streamed weight is back in host memory"

@@ -31,8 +31,9 @@ class ExtractConfig(StageConfig):
     shard_size: int | None = option(None, help="Source rows per shard [default: sized to ~2 GB of features].")
     batch_tokens: int | None = option(
         None, help="Tokens per target forward batch, padding included (>= --max-length) [default: 32768; 65536 when "
-                   "the target's weights are sharded or offloaded, so that streaming them is small against the "
-                   "forward].")
+                   "the target's weights are sharded, so that streaming them is small against the forward; offloaded "
+                   "on a GPU, 65536 doubled while a layer's compute would not hide its copy over the host link "
+                   "measured at start, as far as GPU and host memory allow; the log and --dry-run say why].")
     codec: str = option("blosc", choices=CODECS,
                         help="Feature encoding: blosc (lossless, ~0.69x raw bf16), none (raw), fp8 (lossy, ~0.42x), "
                              "bf16m3 / bf16m2 / bf16m1 (lossy, ~0.45x / ~0.39x / ~0.35x: bf16 rounded to 3 / 2 / 1 of "

@@ -181,13 +181,14 @@ def _placement(cfg: "ExtractConfig", model_config: Any, devices: list[str], dept
     """Return the run's placement.Placement (where the weights live, the batch size), logged on rank 0.
 
     auto needs the target's size (counted on the meta device), the GPUs' free memory (the least of the run's: every
-    rank agrees) and the host's; each is read only where the decision needs it.
+    rank agrees) and the host's; each is read only where the decision needs it. Weights streamed from host memory
+    also measure the host-to-GPU copy's speed (the slowest rank's), which sizes their batch.
     """
     import torch
 
     from ..config.options import parse_shard_weights
     from ..runtime.memory import host_available_bytes
-    from ..targets.sharded import captured_size, init_group
+    from ..targets.sharded import captured_size
     from .placement import placement_of, target_size
 
     ranks = ranks_from_env()
@@ -200,20 +201,40 @@ def _placement(cfg: "ExtractConfig", model_config: Any, devices: list[str], dept
     if depth is not None and (on_gpu or not auto):
         captured = len(cfg.layers) if cfg.layers else 5
         size = target_size(captured_size(model_config, depth, cfg.dtype), captured)
-    if on_gpu and auto and cfg.offload == "none":
-        free = min(torch.cuda.mem_get_info(torch.device(d))[0] for d in devices)
-        if launched:  # every rank must take the same decision: the least free memory of the run decides
-            import torch.distributed as dist
+    if on_gpu and (auto or cfg.offload == "cpu"):
+        free = _least(min(torch.cuda.mem_get_info(torch.device(d))[0] for d in devices), launched, cfg, devices[0])
+    host_free = host_available_bytes()
+    if on_gpu and host_free is not None:  # nodes differ: the least decides, as for the GPUs' free memory
+        host_free = _least(host_free, launched, cfg, devices[0])
+    placement = placement_of(cfg, size, free=free, host_free=host_free, local_world=local_world, world=world,
+                             on_gpu=on_gpu)
+    if on_gpu and placement.offload and cfg.batch_tokens is None and size is not None:
+        # streamed weights: the batch is sized from the host link this machine measures (extract/placement.py)
+        from ..targets.streamed import host_link_bytes_per_s
+        from .perf import device_peak
 
-            init_group(torch.device(devices[0]), cfg.collective_timeout)
-            least = torch.tensor([free], dtype=torch.int64)
-            dist.all_reduce(least, op=dist.ReduceOp.MIN)
-            free = int(least.item())
-    placement = placement_of(cfg, size, free=free, host_free=host_available_bytes(), local_world=local_world,
-                             world=world, on_gpu=on_gpu)
+        link = _least(host_link_bytes_per_s(torch.device(devices[0])) or 0.0, launched, cfg, devices[0])
+        placement = placement_of(cfg, size, free=free, host_free=host_free, local_world=local_world, world=world,
+                                 on_gpu=on_gpu, link=link or None, device_flops=device_peak(devices[0])[1])
     if ranks.rank == 0:
         log.info("%s", placement.line())
     return placement
+
+
+def _least(value: float, launched: bool, cfg: "ExtractConfig", device: str) -> Any:
+    """Return the least of `value` over the run's ranks (itself when not launched): every rank must take the same
+    placement, so the GPU with the least free memory or the slowest host link decides."""
+    if not launched:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    from ..targets.sharded import init_group
+
+    init_group(torch.device(device), cfg.collective_timeout)
+    least = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    return type(value)(least.item())
 
 
 def run(cfg: "ExtractConfig") -> dict[str, Any]:

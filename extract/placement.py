@@ -20,6 +20,16 @@ SHARDED_BATCH_TOKENS = 65536
 # fragmentation, CUDA graphs of attention kernels, the pinned feature buffers, the page cache of the weights).
 GPU_USABLE = 0.85
 HOST_USABLE = 0.8
+# Weights streamed from host memory cross the host link once a forward, layer by layer, each copy hidden behind the
+# layer before: a batch must make one layer's compute outlast one layer's copy. The compute is estimated at
+# STREAM_MFU of the device's dense bf16 peak (high for MoE targets, which reach 15-35%, so the batch errs large), and
+# must take STREAM_MARGIN times the copy. The batch doubles from SHARDED_BATCH_TOKENS up to MAX_STREAMED_BATCH while
+# the GPU and host memory hold it.
+STREAM_MFU = 0.5
+STREAM_MARGIN = 1.25
+MAX_STREAMED_BATCH = 8 * SHARDED_BATCH_TOKENS
+# The pipeline's pinned host buffers of features, each a batch's (extract/pipeline.py's NUM_BUFFERS).
+_FEATURE_BUFFERS = 3
 # Bytes an activation of one token costs beyond the features kept, in units of (compute dtype bytes x width):
 # the residual and its norm, q/k/v/o, the MLP's gate, up and product. An estimate; transformers' kernels differ.
 _ACT_HIDDEN, _ACT_INTERMEDIATE = 8, 3
@@ -36,13 +46,15 @@ class TargetSize:
     token_activation: int
     captured_layers: int
     feature_token: int  # bytes of one token's features as the pipeline keeps them (bf16)
+    bytes_per_flop: float = 0.0  # a run layer's weight bytes per FLOP a token costs in it, the most of any (0: unknown)
 
 
 def target_size(counts: dict[str, int], captured: int) -> TargetSize:
     """Return the TargetSize of target.sharded.captured_size's counts, `captured` layers kept as features."""
     token = counts["dtype_bytes"] * (_ACT_HIDDEN * counts["hidden"] + _ACT_INTERMEDIATE * counts["width"])
     return TargetSize(params=counts["params"], embed=counts["embed"], layer=counts["layer"], token_activation=token,
-                      captured_layers=captured, feature_token=captured * counts["hidden"] * 2)
+                      captured_layers=captured, feature_token=captured * counts["hidden"] * 2,
+                      bytes_per_flop=float(counts.get("bytes_per_flop", 0.0)))
 
 
 def activation_bytes(size: TargetSize, batch_tokens: int) -> int:
@@ -80,6 +92,34 @@ def _batch(asked: int | None, sharded: bool) -> int:
     return asked if asked is not None else (SHARDED_BATCH_TOKENS if sharded else RESIDENT_BATCH_TOKENS)
 
 
+def streamed_batch(size: TargetSize, shard: int, *, link: float | None, device_flops: float | None,
+                   free: int | None, host_free: int | None) -> tuple[int, str]:
+    """Return (the batch of a target streamed from host memory, the words that say why) when no --batch-tokens was
+    asked: SHARDED_BATCH_TOKENS, doubled while one layer's compute at STREAM_MFU of device_flops would not outlast
+    STREAM_MARGIN times the copy of its share (1/shard) of the layer over `link` (bytes/s of a host-to-GPU copy), up
+    to MAX_STREAMED_BATCH and as far as the GPU (free) and the host (host_free) hold it. Without a link, a device
+    peak or the target's bytes per FLOP, SHARDED_BATCH_TOKENS."""
+    batch = SHARDED_BATCH_TOKENS
+    if not (link and device_flops and size.bytes_per_flop):
+        return batch, ""
+    need = STREAM_MARGIN * size.bytes_per_flop / shard * device_flops * STREAM_MFU / link
+
+    def fits(b: int) -> bool:
+        gpu = size.embed + 2 * size.layer + activation_bytes(size, b)
+        host = size.params // shard + _FEATURE_BUFFERS * b * size.feature_token
+        return ((free is None or gpu <= free * GPU_USABLE) and (host_free is None or host <= host_free * HOST_USABLE))
+
+    while batch < need and batch < MAX_STREAMED_BATCH and fits(2 * batch):
+        batch *= 2
+    copy_ms = size.layer / shard / link * 1e3
+    short = "" if batch >= need else (f", short of the {int(need):,} that would hide it" +
+                                      (" (the most tokens the GPU and host memory hold)"
+                                       if batch < MAX_STREAMED_BATCH else f" (capped at {MAX_STREAMED_BATCH:,})"))
+    return batch, (f"; the largest layer's copy takes {copy_ms:.0f} ms over the host link ({link / 1e9:.1f} GB/s "
+                   f"measured), and at {STREAM_MFU:.0%} of the device's peak a batch of {batch:,} tokens computes a "
+                   f"layer in about {batch / need * STREAM_MARGIN:.1f}x its copy's time{short}")
+
+
 def _shards(local_world: int, world: int) -> list[int]:
     """Return the candidate numbers of ranks sharing a copy, fewest first: divisors of a node's ranks, then whole
     nodes (multiples of a node's ranks that divide the run's)."""
@@ -89,9 +129,12 @@ def _shards(local_world: int, world: int) -> list[int]:
 
 
 def decide(asked: int | None, offload: bool, size: TargetSize, *, free: int | None, host_free: int | None,
-           local_world: int, world: int, batch_tokens: int | None, on_gpu: bool, where: str = "--model") -> Placement:
+           local_world: int, world: int, batch_tokens: int | None, on_gpu: bool, where: str = "--model",
+           link: float | None = None, device_flops: float | None = None) -> Placement:
     """Return the Placement of a run: `asked` is --shard-weights (None: auto), `offload` --offload cpu; free is the
-    least free memory of the run's GPUs (None: unknown), host_free a node's available host memory.
+    least free memory of the run's GPUs (None: unknown), host_free a node's available host memory; link the
+    measured bytes/s of a host-to-GPU copy and device_flops the GPU's dense bf16 peak, which size the batch of
+    weights streamed from host memory (streamed_batch; None: SHARDED_BATCH_TOKENS).
 
     auto keeps today's path (a whole copy per GPU) while the captured layers and a batch fit one GPU; else it takes
     the fewest GPUs of a node whose shares fit (each also holds the embedding, which stays gathered, and two layers
@@ -104,15 +147,21 @@ def decide(asked: int | None, offload: bool, size: TargetSize, *, free: int | No
     gb = format_bytes
     what = f"the target's weights are {gb(size.params)}"
     if asked is not None:
+        if offload and on_gpu and batch_tokens is None:
+            batch, why = streamed_batch(size, asked, link=link, device_flops=device_flops, free=free,
+                                        host_free=host_free)
+            return Placement(asked, True, batch, f"asked; {what}{why}")
         return Placement(asked, offload, _batch(batch_tokens, asked > 1 or offload), f"asked; {what}")
     if not on_gpu:
         return Placement(1, False, _batch(batch_tokens, False),
                          f"auto: the target runs on the CPU, whose memory holds it whole; {what}")
     if offload:
         k = local_world if world % local_world == 0 else 1
-        return Placement(k, True, _batch(batch_tokens, True),
+        batch, why = (batch_tokens, "") if batch_tokens is not None else streamed_batch(
+            size, k, link=link, device_flops=device_flops, free=free, host_free=host_free)
+        return Placement(k, True, batch,
                          f"auto with --offload cpu: one copy in each node's host memory, shared by its {k} rank(s); "
-                         f"{what}")
+                         f"{what}{why}")
     if free is None:
         return Placement(1, False, _batch(batch_tokens, False),
                          f"auto: the GPUs' free memory is unknown here, so a whole copy per GPU; {what}")
@@ -138,13 +187,15 @@ def decide(asked: int | None, offload: bool, size: TargetSize, *, free: int | No
         raise InputError(f"{where}: {what}, more than {world} GPU(s) can hold ({gb(free)} free each) and more than "
                          f"this node's {gb(host_free)} of available host memory; run on more GPUs or nodes (torchrun), "
                          "or lower --layers")
-    return Placement(k, True, _batch(batch_tokens, True),
+    batch, why = (batch_tokens, "") if batch_tokens is not None else streamed_batch(
+        size, k, link=link, device_flops=device_flops, free=free, host_free=host_free)
+    return Placement(k, True, batch,
                      f"auto: {what}, more than {world} GPU(s) hold with {gb(free)} free each; streamed from pinned "
-                     f"host memory ({gb(host_free)} available), one copy a node shared by {k} rank(s)")
+                     f"host memory ({gb(host_free)} available), one copy a node shared by {k} rank(s){why}")
 
 
 def placement_of(cfg: Any, size: TargetSize | None, *, free: int | None, host_free: int | None, local_world: int,
-                 world: int, on_gpu: bool) -> Placement:
+                 world: int, on_gpu: bool, link: float | None = None, device_flops: float | None = None) -> Placement:
     """Return the Placement of an ExtractConfig (its --shard-weights, --offload and --batch-tokens)."""
     from ..config.options import parse_shard_weights
 
@@ -152,7 +203,8 @@ def placement_of(cfg: Any, size: TargetSize | None, *, free: int | None, host_fr
     if size is None:  # nothing measured: only what was asked can be honoured
         size = TargetSize(0, 0, 0, 0, 0, 0)
     return decide(asked, cfg.offload == "cpu", size, free=free, host_free=host_free, local_world=local_world,
-                  world=world, batch_tokens=cfg.batch_tokens, on_gpu=on_gpu, where=f"--model {cfg.model}")
+                  world=world, batch_tokens=cfg.batch_tokens, on_gpu=on_gpu, where=f"--model {cfg.model}", link=link,
+                  device_flops=device_flops)
 
 
 def is_sharded(cfg: Any) -> bool:

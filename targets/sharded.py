@@ -86,7 +86,26 @@ def captured_size(model_config: Any, depth: int, dtype: str) -> dict[str, int]:
             "embed": sum(p.numel() for p in text.embed_tokens.parameters()) * size,
             "layer": max((sum(p.numel() for p in layer.parameters()) * size for layer in text.layers[:depth]),
                          default=0),
-            "hidden": int(cfg.hidden_size), "width": max(inter, moe), "dtype_bytes": size}
+            "hidden": int(cfg.hidden_size), "width": max(inter, moe), "dtype_bytes": size,
+            "bytes_per_flop": _bytes_per_flop(text, cfg, depth, size)}
+
+
+def _bytes_per_flop(text: Any, cfg: Any, depth: int, size: int) -> float:
+    """Return the most weight bytes per FLOP a token costs of any decoder layer extraction runs (the first `depth`):
+    what a layer streamed to the GPU moves against the compute that can hide it. Attention's own score FLOPs, which
+    grow with the row, are left out (the compute is under-counted, so a batch chosen from it errs large). An MoE layer
+    moves every expert and computes top_k of them: its figure is E / top_k times a dense layer's."""
+    from .adapter import layer_kinds
+    from .flops import forward_flops
+
+    worst = 0.0
+    for layer, kind in zip(text.layers[:depth], layer_kinds(cfg)[:depth]):
+        holder = torch.nn.Module()
+        holder.layers = torch.nn.ModuleList([layer])
+        flops = sum(forward_flops(holder, [kind], cfg).per_token.values())
+        if flops > 0:
+            worst = max(worst, sum(p.numel() for p in layer.parameters()) * size / flops)
+    return worst
 
 
 def _plan(model: Any, path: str) -> dict[str, str]:

@@ -82,6 +82,62 @@ def test_asked_placements_and_refusals():
         extract_config(Path("m"), Path("d"), Path("o"), shard_weights="x")
 
 
+def test_a_layer_s_bytes_per_flop_count_every_expert_moved_and_top_k_computed():
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    from dflash.targets.sharded import captured_size
+
+    shape = dict(vocab_size=1000, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64)
+    dense = captured_size(Qwen3Config(**shape), 3, "bfloat16")["bytes_per_flop"]
+    assert 1.0 <= dense < 1.01, "bf16: 2 bytes a weight, 2 FLOPs a weight a token (norms add a little)"
+    moe_cfg = Qwen3MoeConfig(**shape, moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4)
+    moe = captured_size(moe_cfg, 3, "bfloat16")["bytes_per_flop"]
+    experts = 32 * 3 * 256 * 128
+    dense_part = 2 * 256 * 256 + 2 * 256 * 128 + 32 * 256  # q, o, k, v and the router
+    assert moe == pytest.approx((experts + dense_part) / (experts * 4 / 32 + dense_part), rel=0.01)
+
+
+H200 = 989.5e12  # dense bf16 FLOP/s (drafter/flops.py)
+# A Qwen3-32B-shaped dense layer (0.98 GB, a byte a FLOP in bf16) and a Qwen3-235B-A22B-shaped MoE layer (5 GB, every
+# expert moved for 8 of 128 computed: 5.6 bytes a FLOP, as targets.sharded.captured_size counts a tiny one).
+DENSE = TargetSize(params=65 * GB, embed=GB, layer=975_000_000, token_activation=235_000, captured_layers=5,
+                   feature_token=51_200, bytes_per_flop=1.0)
+MOE = TargetSize(params=470 * GB, embed=GB, layer=5 * GB, token_activation=60_000, captured_layers=5,
+                 feature_token=40_960, bytes_per_flop=5.6)
+
+
+@pytest.mark.parametrize("size, link, free, host, want", [
+    (DENSE, 50e9, 140 * GB, 125 * GB, 65536),  # a fast link hides a dense layer at the default batch
+    (DENSE, 7.3e9, 140 * GB, 125 * GB, 131072),  # a pageable-speed link: twice the batch
+    (MOE, 25e9, 140 * GB, 2000 * GB, 262144),  # an MoE layer moves 5.6x the bytes per FLOP
+    (MOE, 25e9, 30 * GB, 2000 * GB, 131072),  # as far as the GPU holds the activations, and says so
+    (MOE, 25e9, 140 * GB, 610 * GB, 131072),  # as far as the host holds the weights and the feature buffers
+    (MOE, None, 140 * GB, 2000 * GB, 65536),  # no link measured (the CPU): the default
+])
+def test_streamed_weights_take_the_batch_whose_compute_hides_a_layer_s_copy(size, link, free, host, want):
+    from dflash.extract.placement import STREAM_MARGIN, STREAM_MFU, activation_bytes
+
+    p = decide(1, True, size, free=free, host_free=host, local_world=1, world=1, batch_tokens=None, on_gpu=True,
+               link=link, device_flops=H200)
+    assert (p.shard, p.offload, p.batch_tokens) == (1, True, want)
+    assert size.embed + 2 * size.layer + activation_bytes(size, want) <= 0.85 * free
+    if link is None:
+        assert "host link" not in p.reason
+        return
+    need = STREAM_MARGIN * size.bytes_per_flop * H200 * STREAM_MFU / link
+    assert f"({link / 1e9:.1f} GB/s measured)" in p.reason
+    assert (want >= need) == ("short of" not in p.reason), p.reason
+    assert want == 65536 or want / 2 < need, "never more than the copy needs"
+    # the same target offloaded by 8 ranks of a node: each copies an eighth of a layer
+    shared = decide(None, True, size, free=free, host_free=host, local_world=8, world=8, batch_tokens=None,
+                    on_gpu=True, link=link, device_flops=H200)
+    assert shared.shard == 8 and shared.batch_tokens <= want
+    asked = decide(1, True, size, free=free, host_free=host, local_world=1, world=1, batch_tokens=4096,
+                   on_gpu=True, link=link, device_flops=H200)
+    assert asked.batch_tokens == 4096, "--batch-tokens asked is kept"
+
+
 # --- the real command ----------------------------------------------------------------------------------------------
 
 ARCHS = ("llama", "qwen3_moe", "qwen3_5", "gpt_oss", "deepseek_v3")

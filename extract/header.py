@@ -13,6 +13,7 @@ from ..facts import NUM_FEATURE_LAYERS, build_target_layer_ids, validate_layer_i
 from ..conversations import fingerprint, input_files
 from ..targets.adapter import text_config
 from ..targets.load import runtime_record
+from ..targets.weights import WEIGHT_SUFFIXES, weight_files
 from .plan import RowScan, default_shard_size, shard_record
 from .template import text_hash
 
@@ -25,7 +26,6 @@ __all__ = ["resolve_mask_token", "resolve_layers", "captured_depth", "build_head
 log = logging.getLogger(__name__)
 
 HEADER_KIND = "dflash-extract"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 # Bytes hashed at the start and at the end of every tensor, and windows of other weight files.
 _SAMPLE = 4096
 _WINDOWS = 64
@@ -122,7 +122,7 @@ def target_fingerprint(model_dir: str | os.PathLike) -> str:
     edit confined to the middle of a tensor, which no real checkpoint produces.
     """
     folder = Path(model_dir)
-    weights = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES) if folder.is_dir() else []
+    weights = weight_files(folder)
     if not weights:
         raise InputError(
             f"--model {model_dir}: expected weights ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) beside "

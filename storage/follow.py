@@ -9,7 +9,7 @@ import time
 from typing import Iterator
 
 from ..errors import StoreError
-from .fs import open_fs
+from .backends import open_fs
 from .layout import ROOT_META
 from .store import Store
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..runtime.atomic import fsync_dir, write_atomic, write_durable
 
-__all__ = ["StoreFS", "LocalFS", "FsspecFS", "open_fs", "PARTIAL_SUFFIX", "writer_tag", "temp_writer", "aligned_buffer",
+__all__ = ["StoreFS", "LocalFS", "FsspecFS", "PARTIAL_SUFFIX", "writer_tag", "temp_writer", "aligned_buffer",
            "is_aligned", "ALIGN"]
 
 log = logging.getLogger(__name__)
@@ -350,17 +350,3 @@ def _silent_unlink(path: str) -> bool:
         return True
     except FileNotFoundError:
         return False
-
-
-def open_fs(url: str) -> StoreFS:
-    """Return the file access for a store path: a local folder or file:// URL gets LocalFS, anything else fsspec."""
-    text = os.fspath(url)
-    if text.startswith("file://"):
-        return LocalFS(text[len("file://"):])
-    if text.startswith("s3://"):
-        from .s3 import open_s3
-
-        return open_s3(text)
-    if "://" in text:
-        return FsspecFS(text)
-    return LocalFS(text)

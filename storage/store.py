@@ -12,7 +12,8 @@ import numpy as np
 from ..errors import CorruptShard, ManifestMismatch, StoreError
 from . import claims
 from ..runtime.locks import pid_alive
-from .fs import PARTIAL_SUFFIX, StoreFS, open_fs, temp_writer, writer_tag
+from .backends import open_fs
+from .fs import PARTIAL_SUFFIX, StoreFS, temp_writer, writer_tag
 from .layout import (
     CLAIMS,
     COMMITS,

@@ -123,6 +123,6 @@ def check_architecture(model_config: Any, where: str, depth: int | None = None) 
             f"which dflash extract cannot verify against the full model (it runs {', '.join(KINDS)}); "
             "open an issue with the model's config.json"
         )
-    from .load import check_weights
+    from .weights import check_weights
 
     check_weights(where)

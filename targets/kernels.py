@@ -22,9 +22,36 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 __all__ = ["Kernels", "TOLERANCE", "has_experts", "current", "attention_order", "candidates", "apply", "model_states",
-           "eager_float32_states", "captured", "relative_error", "choose"]
+           "eager_float32_states", "captured", "relative_error", "choose", "attention_backends", "accepts"]
 
 log = logging.getLogger(__name__)
+
+
+def attention_backends(device: torch.device, cudnn: bool = False) -> Any:
+    """Return a context in which SDPA may pick any kernel but cuDNN's on CUDA (unless cudnn), else no context.
+
+    On Hopper torch prefers cuDNN's attention, which builds and caches an execution plan for each new (batch, length)
+    shape. Extraction's batches are packed to their samples' lengths, so nearly every batch is a new shape: on one
+    H200 a first pass over a short real run's 163 batches took 23.0 s against 15.1 s for a second pass over the same
+    batches, and leaving cuDNN out took the command from 21,775 to 29,693 tok/s (bench/RESULTS.md, issue 22). Flash
+    and memory-efficient attention keep no per-shape state, and attention is a few percent of these forwards.
+    The flags it sets are torch's process-wide ones, restored on exit: in extract only the forward's thread runs SDPA.
+    """
+    if device.type != "cuda" or cudnn:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def accepts(model: Any, name: str) -> bool:
+    """Return True if the model's forward takes the keyword `name`."""
+    import inspect
+
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 # The largest difference a kernel may show against the eager float32 forward in what a decoder layer adds to the
 # residual stream (relative_error), by the dtype the run computes in. float32 kernels agree to ~1e-6;
@@ -180,9 +207,7 @@ def model_states(model: Any, ids: Any, depth: int, lengths: list[int]) -> list[A
     layer's output up to the deepest run) on its real tokens [depth + 1, n, H]."""
     import torch
 
-    from .runner import _accepts, attention_backends
-
-    kwargs = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    kwargs = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
     with torch.no_grad(), attention_backends(ids.device):
         states = model(input_ids=ids, use_cache=False, output_hidden_states=True, **kwargs).hidden_states
         return [torch.stack([states[j][b, :n] for j in range(depth + 1)]) for b, n in enumerate(lengths)]

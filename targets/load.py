@@ -12,16 +12,12 @@ from typing import Any, Callable
 
 from ..errors import ConfigError, InputError
 from ..runtime.memory import host_available_bytes
-from .weights import check_weights
+from .weights import check_weights, weight_files
 
 __all__ = ["load_target", "check_weights", "check_finite", "load_for_features", "Loaded", "load_for_chat",
            "WeightPrefetch", "weight_files", "hub_kernels_requested", "runtime_record"]
 
 log = logging.getLogger(__name__)
-
-# Files a Hugging Face folder keeps its weights in (safetensors, or the older pickles).
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
 
 def hub_kernels_requested() -> bool:
     """Return True if the user asked for kernels from the Hugging Face Hub (USE_HUB_KERNELS=YES, transformers'
@@ -145,14 +141,6 @@ def load_for_chat(model: str, device: str, dtype: str) -> Loaded:
         raise InputError(f"--model {model}: expected an eos token in the tokenizer or generation config, found none")
     log.info("target %s on %s in %s", model, device, dtype)
     return Loaded(tokenizer, lm, sorted(stops), pad_id)
-
-
-def weight_files(folder: str | os.PathLike) -> list[Path]:
-    """Return the weight files of a local model folder (sorted; none if it is not a folder)."""
-    root = Path(folder)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
 
 
 class WeightPrefetch:

@@ -2,7 +2,6 @@
 DFlash features."""
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
@@ -10,29 +9,13 @@ import torch
 
 from ..errors import InputError
 from . import kernels
+from .kernels import attention_backends
 from .flops import forward_flops
 from .adapter import layer_kinds, linear_attention_path, longest_window, text_config, text_model
 
-__all__ = ["TargetRunner", "attention_backends", "pad_batch"]
+__all__ = ["TargetRunner", "pad_batch"]
 
 log = logging.getLogger(__name__)
-
-
-def attention_backends(device: torch.device, cudnn: bool = False) -> Any:
-    """Return a context in which SDPA may pick any kernel but cuDNN's on CUDA (unless cudnn), else no context.
-
-    On Hopper torch prefers cuDNN's attention, which builds and caches an execution plan for each new (batch, length)
-    shape. Extraction's batches are packed to their samples' lengths, so nearly every batch is a new shape: on one
-    H200 a first pass over a short real run's 163 batches took 23.0 s against 15.1 s for a second pass over the same
-    batches, and leaving cuDNN out took the command from 21,775 to 29,693 tok/s (bench/RESULTS.md, issue 22). Flash
-    and memory-efficient attention keep no per-shape state, and attention is a few percent of these forwards.
-    The flags it sets are torch's process-wide ones, restored on exit: in extract only the forward's thread runs SDPA.
-    """
-    if device.type != "cuda" or cudnn:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class TargetRunner:
@@ -171,16 +154,6 @@ def _log_linear_attention_path(model_type: str, device: torch.device) -> None:
                     "pip install 'dflash[hybrid]'", model_type)
     else:
         log.info("%s: Gated DeltaNet layers run transformers' torch fallback", model_type)
-
-
-def _accepts(model: Any, name: str) -> bool:
-    """Return True if the model's forward takes the keyword `name`."""
-    import inspect
-
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def pad_batch(samples: list[Any], pad_id: int) -> tuple[torch.Tensor, list[int]]:

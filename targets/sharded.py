@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from .adapter import text_config, text_model
-from .runner import TargetRunner, _accepts, attention_backends
+from .kernels import accepts, attention_backends
+from .runner import TargetRunner
 
 __all__ = ["release_group", "init_group", "load_sharded", "ShardedRunner", "captured_size", "text_path"]
 
@@ -206,7 +207,7 @@ class ShardedRunner(TargetRunner):
         self._compute = device  # the weights may live in host memory; the forward runs here
         self.model = model
         model.lm_head = torch.nn.Identity()
-        self._kwargs = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+        self._kwargs = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
         self._cut = False
         # The model's own kernels, checked for layers and positions: kernels.choose would recast FSDP2's sharded
         # weights to float32 for its reference, and each rank must run the same forwards in step.

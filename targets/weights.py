@@ -23,9 +23,20 @@ from typing import Any
 
 from ..errors import InputError
 
-__all__ = ["check_weights", "read_headers", "expected_tensors", "Tensor"]
+__all__ = ["check_weights", "read_headers", "expected_tensors", "Tensor", "WEIGHT_SUFFIXES", "weight_files"]
 
 log = logging.getLogger(__name__)
+
+# Files a Hugging Face folder keeps its weights in (safetensors, or the older pickles).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def weight_files(folder: str | os.PathLike) -> list[Path]:
+    """Return the weight files of a local model folder (sorted; none if it is not a folder)."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
 
 _BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
           "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -168,8 +179,6 @@ def check_weights(path: str | os.PathLike, *, option: str = "--model") -> None:
     needs, with the bytes its header's dtype and shape call for. Reads the headers alone (no tensor data). Tensors
     the model does not use (a vision tower, multi-token-prediction heads) are left alone; folders of other weight
     formats, or a model transformers cannot build, are left to the load."""
-    from .load import weight_files
-
     folder = Path(path)
     files = [f for f in weight_files(folder) if f.suffix == ".safetensors"]
     headers = read_headers(files, path=path, option=option) if files else None

@@ -61,7 +61,7 @@ def test_runner_drops_everything_after_the_last_captured_layer(tiny_qwen3):
 
 
 def test_cuda_extraction_leaves_cudnn_attention_out_and_restores_the_choice():
-    from dflash.targets.runner import attention_backends
+    from dflash.targets.kernels import attention_backends
 
     flags = torch.backends.cuda
     before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled())

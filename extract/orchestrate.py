@@ -214,8 +214,9 @@ def _placement(cfg: "ExtractConfig", model_config: Any, devices: list[str], dept
         from .perf import device_peak
 
         link = _least(host_link_bytes_per_s(torch.device(devices[0])) or 0.0, launched, cfg, devices[0])
+        peak = _least(device_peak(devices[0])[1] or 0.0, launched, cfg, devices[0])  # an unknown GPU: none
         placement = placement_of(cfg, size, free=free, host_free=host_free, local_world=local_world, world=world,
-                                 on_gpu=on_gpu, link=link or None, device_flops=device_peak(devices[0])[1])
+                                 on_gpu=on_gpu, link=link or None, device_flops=peak or None)
     if ranks.rank == 0:
         log.info("%s", placement.line())
     return placement

@@ -28,7 +28,11 @@ HOST_USABLE = 0.8
 STREAM_MFU = 0.5
 STREAM_MARGIN = 1.25
 MAX_STREAMED_BATCH = 8 * SHARDED_BATCH_TOKENS
-# The pipeline's pinned host buffers of features, each a batch's (extract/pipeline.py's NUM_BUFFERS).
+# A batch grown past the default counts its activations this many times over: the estimate below is rough (MoE
+# routing buffers exceed it), and a batch too large for the GPU is split only where no peer waits in its forward.
+_GROWN_ACTIVATIONS = 1.5
+# The pipeline's pinned host buffers of features, each a batch's (extract/pipeline.py's NUM_BUFFERS), each rounded
+# up to a power of two by torch's pinned allocator.
 _FEATURE_BUFFERS = 3
 # Bytes an activation of one token costs beyond the features kept, in units of (compute dtype bytes x width):
 # the residual and its norm, q/k/v/o, the MLP's gate, up and product. An estimate; transformers' kernels differ.
@@ -93,11 +97,12 @@ def _batch(asked: int | None, sharded: bool) -> int:
 
 
 def streamed_batch(size: TargetSize, shard: int, *, link: float | None, device_flops: float | None,
-                   free: int | None, host_free: int | None) -> tuple[int, str]:
+                   free: int | None, host_free: int | None, local_world: int = 1) -> tuple[int, str]:
     """Return (the batch of a target streamed from host memory, the words that say why) when no --batch-tokens was
     asked: SHARDED_BATCH_TOKENS, doubled while one layer's compute at STREAM_MFU of device_flops would not outlast
     STREAM_MARGIN times the copy of its share (1/shard) of the layer over `link` (bytes/s of a host-to-GPU copy), up
-    to MAX_STREAMED_BATCH and as far as the GPU (free) and the host (host_free) hold it. Without a link, a device
+    to MAX_STREAMED_BATCH and as far as the GPU (free) and the node's host memory (host_free: local_world ranks, a
+    copy of the weights for every `shard` of them, each rank's feature buffers) hold it. Without a link, a device
     peak or the target's bytes per FLOP, SHARDED_BATCH_TOKENS."""
     batch = SHARDED_BATCH_TOKENS
     if not (link and device_flops and size.bytes_per_flop):
@@ -105,8 +110,9 @@ def streamed_batch(size: TargetSize, shard: int, *, link: float | None, device_f
     need = STREAM_MARGIN * size.bytes_per_flop / shard * device_flops * STREAM_MFU / link
 
     def fits(b: int) -> bool:
-        gpu = size.embed + 2 * size.layer + activation_bytes(size, b)
-        host = size.params // shard + _FEATURE_BUFFERS * b * size.feature_token
+        gpu = size.embed + 2 * size.layer + _GROWN_ACTIVATIONS * activation_bytes(size, b)
+        buffer = 1 << max(0, (b * size.feature_token - 1).bit_length())
+        host = size.params * max(1, local_world) / shard + max(1, local_world) * _FEATURE_BUFFERS * buffer
         return ((free is None or gpu <= free * GPU_USABLE) and (host_free is None or host <= host_free * HOST_USABLE))
 
     while batch < need and batch < MAX_STREAMED_BATCH and fits(2 * batch):
@@ -149,7 +155,7 @@ def decide(asked: int | None, offload: bool, size: TargetSize, *, free: int | No
     if asked is not None:
         if offload and on_gpu and batch_tokens is None:
             batch, why = streamed_batch(size, asked, link=link, device_flops=device_flops, free=free,
-                                        host_free=host_free)
+                                        host_free=host_free, local_world=local_world)
             return Placement(asked, True, batch, f"asked; {what}{why}")
         return Placement(asked, offload, _batch(batch_tokens, asked > 1 or offload), f"asked; {what}")
     if not on_gpu:
@@ -158,7 +164,7 @@ def decide(asked: int | None, offload: bool, size: TargetSize, *, free: int | No
     if offload:
         k = local_world if world % local_world == 0 else 1
         batch, why = (batch_tokens, "") if batch_tokens is not None else streamed_batch(
-            size, k, link=link, device_flops=device_flops, free=free, host_free=host_free)
+            size, k, link=link, device_flops=device_flops, free=free, host_free=host_free, local_world=local_world)
         return Placement(k, True, batch,
                          f"auto with --offload cpu: one copy in each node's host memory, shared by its {k} rank(s); "
                          f"{what}{why}")
@@ -188,7 +194,7 @@ def decide(asked: int | None, offload: bool, size: TargetSize, *, free: int | No
                          f"this node's {gb(host_free)} of available host memory; run on more GPUs or nodes (torchrun), "
                          "or lower --layers")
     batch, why = (batch_tokens, "") if batch_tokens is not None else streamed_batch(
-        size, k, link=link, device_flops=device_flops, free=free, host_free=host_free)
+        size, k, link=link, device_flops=device_flops, free=free, host_free=host_free, local_world=local_world)
     return Placement(k, True, batch,
                      f"auto: {what}, more than {world} GPU(s) hold with {gb(free)} free each; streamed from pinned "
                      f"host memory ({gb(host_free)} available), one copy a node shared by {k} rank(s){why}")

@@ -146,15 +146,23 @@ def feature_runner(cfg: "ExtractConfig", header: dict[str, Any], model: Any) -> 
 
 def sharded_runner(cfg: "ExtractConfig", header: dict[str, Any], device: Any) -> Any:
     """Return the lockstep runner of the target sharded as cfg says (--shard-weights, --offload), loaded (each rank
-    reading its part of each tensor) and checked against its own full forward on every rank."""
+    reading its part of each tensor) and checked against its own full forward on every rank; on a world of one (one
+    GPU streaming its weights from host memory) the runner itself."""
     from ..config.options import parse_shard_weights
     from ..targets.sharded import ShardedRunner, init_group, load_sharded
     from .lockstep import Lockstep, collective
 
+    import torch.distributed as dist
+
     init_group(device, cfg.collective_timeout)
+    shard = parse_shard_weights(cfg.shard_weights) or 1
+    if dist.get_world_size() == 1:
+        # no peers: no collective to time out (a large target's host load may take longer) and no lockstep, so an
+        # out-of-memory batch is retried in halves as on a resident target
+        model = load_sharded(cfg.model, device, cfg.dtype, shard, cfg.offload == "cpu")
+        return ShardedRunner(model, header["layer_ids"], device, check_length=cfg.max_length)
     with collective("loading the sharded target", cfg.collective_timeout):
-        model = load_sharded(cfg.model, device, cfg.dtype, parse_shard_weights(cfg.shard_weights) or 1,
-                             cfg.offload == "cpu")
+        model = load_sharded(cfg.model, device, cfg.dtype, shard, cfg.offload == "cpu")
         runner = ShardedRunner(model, header["layer_ids"], device, check_length=cfg.max_length)
     return Lockstep(runner, cfg.collective_timeout)
 

@@ -66,8 +66,9 @@ def _dtype_bytes(dtype: Any) -> int:
 def captured_size(model_config: Any, depth: int, dtype: str) -> dict[str, int]:
     """Return the sizes the placement of a target is decided from, counted on the meta device (no weight is read):
     its weights in `dtype` as a run loads them (every parameter: the layers past the first `depth`, which
-    extraction runs, are dropped only after the load), its embedding and largest run layer in bytes, its hidden
-    width, its MLP width (for MoE: the experts a token takes, together) and the dtype's bytes."""
+    extraction runs, are dropped only after the load), what stays on the GPU outside the decoder layers ("embed")
+    and its largest run layer in bytes, its hidden width, its MLP width (for MoE: the experts a token takes,
+    together), the dtype's bytes and the run layers' most weight bytes per FLOP a token."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -83,8 +84,15 @@ def captured_size(model_config: Any, depth: int, dtype: str) -> dict[str, int]:
     cfg = text_config(model_config)
     inter = int(getattr(cfg, "intermediate_size", None) or 0)
     moe = int(getattr(cfg, "moe_intermediate_size", None) or 0) * int(getattr(cfg, "num_experts_per_tok", None) or 0)
-    return {"params": sum(p.numel() for p in model.parameters()) * size,
-            "embed": sum(p.numel() for p in text.embed_tokens.parameters()) * size,
+    params = sum(p.numel() for p in model.parameters())
+    layers = sum(p.numel() for layer in text.layers for p in layer.parameters())
+    head = getattr(model, "lm_head", None)
+    untied = head is not None and getattr(head, "weight", None) is not None and \
+        head.weight is not text.embed_tokens.weight
+    return {"params": params * size,
+            # what stays on the GPU beside the layers: the embedding, the final norm, a wrapper's other towers (an
+            # untied lm_head is never run by extraction, so never gathered or moved there)
+            "embed": (params - layers - (head.weight.numel() if untied else 0)) * size,
             "layer": max((sum(p.numel() for p in layer.parameters()) * size for layer in text.layers[:depth]),
                          default=0),
             "hidden": int(cfg.hidden_size), "width": max(inter, moe), "dtype_bytes": size,

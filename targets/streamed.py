@@ -15,7 +15,9 @@ is.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import time
 import weakref
 from collections import deque
@@ -29,6 +31,8 @@ __all__ = ["LayerStream", "stream_layers", "host_link_bytes_per_s"]
 log = logging.getLogger(__name__)
 
 _ALIGN = 256  # every parameter starts at a multiple of this in its layer's buffer (any dtype's view, CUDA's loads)
+_PAGE = mmap.PAGESIZE  # each layer's buffer has pages of its own: the driver page-locks whole pages, and a page
+# already locked for a neighbouring buffer would refuse the second registration
 _SLOTS = 2  # the layer running and the one being copied in (extract/placement.py counts two layers on the GPU)
 
 
@@ -48,12 +52,38 @@ def _views(flat: torch.Tensor, layer: _Layer) -> list[torch.Tensor]:
     return [flat[off:off + n].view(dtype).view(shape) for _, off, n, dtype, shape in layer.params]
 
 
-def _register(host: torch.Tensor) -> bool:
-    """Page-lock a host buffer in place (exactly its bytes); False if the driver refused."""
-    if host.numel() == 0:
+def _pages(nbytes: int) -> torch.Tensor:
+    """Return a host buffer of nbytes that starts on a page and owns every page it touches (a view of a slightly
+    larger allocation, which it keeps alive)."""
+    size = -(-nbytes // _PAGE) * _PAGE
+    base = torch.empty(size + _PAGE, dtype=torch.uint8)
+    start = -base.data_ptr() % _PAGE
+    return base[start:start + size]
+
+
+def _register(region: torch.Tensor) -> bool:
+    """Page-lock a page-aligned host region in place; False (the CUDA error cleared) if the driver refused."""
+    rc = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), region.numel(), 1)  # 1: portable (every context)
+    if int(rc) == 0:
         return True
-    rc = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 1)  # 1: portable (every context)
-    return int(rc) == 0
+    _clear_cuda_error()
+    log.warning("cudaHostRegister refused %s bytes of host memory (CUDA error %d): the weights stay pageable and "
+                "their copies do not overlap the forward", f"{region.numel():,}", int(rc))
+    return False
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a refused registration (torch's binding returns the code and
+    leaves it set: the next kernel launch on the thread would raise it as its own)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = {line.split()[-1] for line in maps if "libcudart" in line}
+        for lib in libs:
+            ctypes.CDLL(lib).cudaGetLastError()
+    except OSError as e:  # no libcudart to reach: torch's own next check reports the refusal
+        log.debug("could not reset the CUDA error: %s", e)
 
 
 def _unregister(ptr: int, stream: Any) -> None:
@@ -61,7 +91,8 @@ def _unregister(ptr: int, stream: Any) -> None:
     try:
         if stream is not None:
             stream.synchronize()
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+            _clear_cuda_error()
     except Exception:  # noqa: BLE001  (interpreter shutdown: the process's memory goes with it)
         pass
 
@@ -71,26 +102,28 @@ class LayerStream:
     later cut of the list is followed) streamed from host memory to `device`. Build it on a model in host memory;
     stream_layers() moves the rest of the model to the device."""
 
-    def __init__(self, owner: torch.nn.Module, device: torch.device, attr: str = "layers") -> None:
+    def __init__(self, owner: torch.nn.Module, device: torch.device, attr: str = "layers",
+                 whole: torch.nn.Module | None = None) -> None:
         self.owner, self.attr, self.device = owner, attr, device
         self.cuda = device.type == "cuda"
         modules = list(getattr(owner, attr))
         counts: dict[int, int] = {}  # a parameter another layer or module also uses stays on the device
-        for _, p in owner.named_parameters(remove_duplicate=False):
+        for _, p in (whole if whole is not None else owner).named_parameters(remove_duplicate=False):
             counts[id(p)] = counts.get(id(p), 0) + 1
         self.layers: list[_Layer | None] = []  # None: let go by trim()
         self._index: dict[int, int] = {}
         self.pinned: bool | None = True if self.cuda else None  # None: the CPU, whose "device" is host memory
         self.copy_stream = torch.cuda.Stream(device=device) if self.cuda else None
-        for i, m in enumerate(modules):
-            self._index[id(m)] = i
-            self.layers.append(self._hold(m, counts))
-        slot_bytes = max((layer.nbytes for layer in self.layers if layer is not None), default=0)
-        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(_SLOTS)]
+        with self._on_device():  # registration and slots make no context on another GPU
+            for i, m in enumerate(modules):
+                self._index[id(m)] = i
+                self.layers.append(self._hold(m, counts))
+            self._make_slots()
         self._slot_of: dict[int, int] = {}  # layer -> slot holding (or being filled with) its weights
         self._ready: dict[int, Any] = {}  # layer -> its copy's done event (CUDA)
         self._freed: list[Any] = [None] * _SLOTS  # slot -> event after its last user's forward (CUDA)
         self._running: int | None = None
+        self._running_on: Any = None  # the stream the running layer's forward was issued on (CUDA)
         self._timing: deque[tuple[str, Any, Any, int]] = deque()  # (kind, start, end, bytes) not yet folded
         self.copied_bytes = 0
         self.copy_s = 0.0
@@ -102,7 +135,19 @@ class LayerStream:
         memory = {True: "page-locked host memory", False: "pageable host memory (cudaHostRegister refused: "
                   "copies run at the pageable rate)", None: "host memory"}[self.pinned]
         log.info("weights: %d decoder layers (%s bytes) in %s, streamed to %s a layer ahead through %d slots of %s "
-                 "bytes", len(self.layers), f"{self.host_bytes:,}", memory, device, _SLOTS, f"{slot_bytes:,}")
+                 "bytes", len(self.layers), f"{self.host_bytes:,}", memory, device, _SLOTS,
+                 f"{self.slots[0].numel():,}")
+
+    def _on_device(self) -> Any:
+        return torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
+
+    def _make_slots(self) -> None:
+        """(Re)make the device slots, each the size of the largest layer held."""
+        size = max((layer.nbytes for layer in self.layers if layer is not None), default=0)
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(_SLOTS)]
+        if self.cuda:  # the copy stream writes them: the allocator must not hand their memory on before it is done
+            for slot in self.slots:
+                slot.record_stream(self.copy_stream)
 
     # -- holding the weights -------------------------------------------------------------------------------------
 
@@ -116,7 +161,8 @@ class LayerStream:
             n = p.numel() * p.element_size()
             params.append((p, off, n, p.dtype, p.shape))
             off += -(-n // _ALIGN) * _ALIGN
-        host = torch.empty(off, dtype=torch.uint8)
+        region = _pages(off)
+        host = region[:off]
         layer = _Layer(m, host, params)
         for (p, *_), view in zip(params, _views(host, layer)):
             view.copy_(p.data)
@@ -129,10 +175,10 @@ class LayerStream:
             for leaf, b in list(sub._buffers.items()):
                 if b is not None:
                     sub._buffers[leaf] = b.to(self.device)
-        if self.cuda:
-            if _register(host):
-                weakref.finalize(layer, _unregister, host.data_ptr(), self.copy_stream)
-            else:
+        if self.cuda and off:
+            if self.pinned and _register(region):
+                weakref.finalize(layer, _unregister, region.data_ptr(), self.copy_stream)
+            else:  # one refusal is enough: the rest would be refused the same way
                 self.pinned = False
         return layer
 
@@ -155,7 +201,7 @@ class LayerStream:
             self._fetch(i, self._free_slot(evict=True))
         slot = self._slot_of[i]
         if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
+            compute = self._running_on = torch.cuda.current_stream(self.device)
             start = torch.cuda.Event(enable_timing=True)
             start.record(compute)
             compute.wait_event(self._ready.pop(i))
@@ -173,10 +219,11 @@ class LayerStream:
     def _release(self, i: int) -> None:
         """Give layer i's slot back (after its forward, in the compute stream's order) and start the next copy."""
         slot = self._slot_of.pop(i)
-        if self.cuda:
+        if self.cuda:  # on the stream its forward ran on (a forward that failed inside it may leave another current)
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
+            event.record(self._running_on if self._running_on is not None else torch.cuda.current_stream(self.device))
             self._freed[slot] = event
+            self._running_on = None
         for (p, *_), view in zip(self.layers[i].params, _views(self.layers[i].host, self.layers[i])):
             p.data = view
         self._running = None
@@ -273,19 +320,26 @@ class LayerStream:
         host memory is freed with them; return how many."""
         keep = set(self._order())
         gone = [i for i in self._hooks if i not in keep]
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()
+        if not gone:
+            return 0
+        if self._running is not None:
+            self._release(self._running)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # no copy into a slot, no forward from one, is in flight
         for i in gone:
             for h in self._hooks.pop(i):
                 h.remove()
-            self._slot_of.pop(i, None)
-            self._ready.pop(i, None)
             self._index = {k: v for k, v in self._index.items() if v != i}
             self.layers[i] = None
+        self._slot_of.clear()  # the slots are remade the size of the largest layer kept: the next forward
+        self._ready.clear()  # fetches its first layer when it reaches it
+        self._freed = [None] * _SLOTS
+        with self._on_device():
+            self._make_slots()
         return len(gone)
 
     def close(self) -> None:
-        """Remove the hooks and leave every parameter in host memory."""
+        """Remove the hooks, leave every parameter in host memory and free the slots (no copy in flight)."""
         if self._running is not None:
             self._release(self._running)
         for pair in self._hooks.values():
@@ -294,6 +348,9 @@ class LayerStream:
         self._hooks.clear()
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
+        self._slot_of.clear()
+        self._ready.clear()
+        self.slots = []
 
 
 def stream_layers(model: torch.nn.Module, text: torch.nn.Module, device: torch.device) -> LayerStream:
@@ -302,7 +359,7 @@ def stream_layers(model: torch.nn.Module, text: torch.nn.Module, device: torch.d
     head = getattr(model, "lm_head", None)
     if head is not None and head.weight is not text.embed_tokens.weight:
         model.lm_head = torch.nn.Identity()
-    stream = LayerStream(text, device)
+    stream = LayerStream(text, device, whole=model)
     layers = text.layers
     text.layers = torch.nn.ModuleList()
     try:
@@ -327,7 +384,7 @@ def host_link_bytes_per_s(device: torch.device, nbytes: int = 256 << 20) -> floa
 
 def _link(device: torch.device, nbytes: int) -> float | None:
     """host_link_bytes_per_s on the current device, from host memory page-locked as LayerStream locks it."""
-    src = torch.zeros(nbytes, dtype=torch.uint8)
+    src = _pages(nbytes)
     if not _register(src):
         return None
     try:
@@ -344,4 +401,5 @@ def _link(device: torch.device, nbytes: int) -> float | None:
         return nbytes / best if best > 0 else None
     finally:
         torch.cuda.synchronize(device)
-        torch.cuda.cudart().cudaHostUnregister(src.data_ptr())
+        _unregister(src.data_ptr(), None)
+        torch.cuda.empty_cache()  # the measurement leaves no GPU memory cached in the command's process

@@ -17,8 +17,9 @@ _FLAGS = ["--gpus", "cpu", "--batch-tokens", "1024", "--max-length", "256", "--m
           "float32", "--shard-size", "4"]
 
 
-def _extract(capsys, model, data, out):
-    return dflash_main(capsys, "--log-level", "info", "extract", "--model", str(model), "--data", str(data), "--out", str(out), *_FLAGS)
+def _extract(capsys, model, data, out, *extra):
+    return dflash_main(capsys, "--log-level", "info", "extract", "--model", str(model), "--data", str(data), "--out",
+                       str(out), *_FLAGS, *extra)
 
 
 def _same(a: dict, b: dict) -> None:
@@ -35,12 +36,14 @@ def _same(a: dict, b: dict) -> None:
         assert not bad.any(), f"row {row}: {fx[bad][:4]} vs {fy[bad][:4]}"
 
 
+@pytest.mark.parametrize("extra", [(), ("--shard-weights", "1", "--offload", "cpu")], ids=["resident", "streamed"])
 def test_a_batch_that_runs_out_of_memory_is_split_and_the_store_equals_an_unsplit_one(
-        tiny_qwen3, data_file, tmp_path, capsys, monkeypatch, one_torch_thread):  # noqa: F811
+        extra, tiny_qwen3, data_file, tmp_path, capsys, monkeypatch, one_torch_thread):  # noqa: F811
+    # A target streamed from host memory by one rank has no peers in its forward: it is split as a resident one is.
     code, _, err = _extract(capsys, tiny_qwen3, data_file, tmp_path / "plain")
     assert code == 0, err[-2000:]
     monkeypatch.setenv(FAKE_OOM_ENV, "256")  # --max-length: every row alone fits, a batch of several does not
-    code, _, err = _extract(capsys, tiny_qwen3, data_file, tmp_path / "split")
+    code, _, err = _extract(capsys, tiny_qwen3, data_file, tmp_path / "split", *extra)
     assert code == 0, err[-2000:]
     assert err.count("ran out of memory") == 1 and "forwards of at most" in err, err[-2000:]  # logged once
     _same(store_samples(tmp_path / "split"), store_samples(tmp_path / "plain"))

@@ -111,8 +111,8 @@ MOE = TargetSize(params=470 * GB, embed=GB, layer=5 * GB, token_activation=60_00
     (DENSE, 50e9, 140 * GB, 125 * GB, 65536),  # a fast link hides a dense layer at the default batch
     (DENSE, 7.3e9, 140 * GB, 125 * GB, 131072),  # a pageable-speed link: twice the batch
     (MOE, 25e9, 140 * GB, 2000 * GB, 262144),  # an MoE layer moves 5.6x the bytes per FLOP
-    (MOE, 25e9, 30 * GB, 2000 * GB, 131072),  # as far as the GPU holds the activations, and says so
-    (MOE, 25e9, 140 * GB, 610 * GB, 131072),  # as far as the host holds the weights and the feature buffers
+    (MOE, 25e9, 40 * GB, 2000 * GB, 131072),  # as far as the GPU holds the activations (1.5x), and says so
+    (MOE, 25e9, 140 * GB, 630 * GB, 131072),  # as far as the host holds the weights and the feature buffers
     (MOE, None, 140 * GB, 2000 * GB, 65536),  # no link measured (the CPU): the default
 ])
 def test_streamed_weights_take_the_batch_whose_compute_hides_a_layer_s_copy(size, link, free, host, want):
@@ -136,6 +136,16 @@ def test_streamed_weights_take_the_batch_whose_compute_hides_a_layer_s_copy(size
     asked = decide(1, True, size, free=free, host_free=host, local_world=1, world=1, batch_tokens=4096,
                    on_gpu=True, link=link, device_flops=H200)
     assert asked.batch_tokens == 4096, "--batch-tokens asked is kept"
+
+
+def test_a_copy_a_rank_counts_every_copy_in_the_node_s_host_memory():
+    # --shard-weights 1 --offload cpu on 8 GPUs: 8 copies of 65 GB and 8 ranks' feature buffers in one host
+    alone = decide(1, True, DENSE, free=140 * GB, host_free=700 * GB, local_world=1, world=1, batch_tokens=None,
+                   on_gpu=True, link=7.3e9, device_flops=H200)
+    eight = decide(1, True, DENSE, free=140 * GB, host_free=700 * GB, local_world=8, world=8, batch_tokens=None,
+                   on_gpu=True, link=7.3e9, device_flops=H200)
+    assert (alone.batch_tokens, eight.batch_tokens) == (131072, 65536)
+    assert "short of" in eight.reason and "host memory hold" in eight.reason
 
 
 # --- the real command ----------------------------------------------------------------------------------------------
@@ -233,6 +243,7 @@ def _finish(p: subprocess.Popen) -> str:
     return err
 
 
+@pytest.mark.internals
 @pytest.mark.parametrize("arch", ARCHS)
 def test_world_of_one_with_host_offload_equals_a_whole_copy(arch, targets, data, references, tmp_path, capsys):
     # One rank, its decoder layers streamed from host memory a layer ahead (on a CPU, host to host): the same store,
@@ -251,6 +262,7 @@ def test_world_of_one_with_host_offload_equals_a_whole_copy(arch, targets, data,
     assert result["plan"]["placement"]["offload"] and result["plan"]["tokens_per_s"] > 0
 
 
+@pytest.mark.internals  # transformers' FSDP2 loading (DistributedConfig) and torch's FSDP2
 @needs_fsdp_loading
 def test_two_ranks_sharing_one_copy_equal_a_whole_copy(targets, data, references, tmp_path):
     # 5 shards over 2 ranks: uneven rows, so one rank steps with empty forwards while the other finishes.

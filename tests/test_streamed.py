@@ -13,6 +13,9 @@ import torch
 from dflash.targets.adapter import text_model
 from dflash.targets.streamed import LayerStream, stream_layers
 
+# transformers' decoder layers under hooks that swap their parameters: `DFLASH_CI=newest bash .ci/run` runs these
+pytestmark = pytest.mark.internals
+
 
 def _model(layers: int = 5, seed: int = 0, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -73,6 +76,13 @@ def test_each_layer_lives_in_one_host_buffer_of_its_bytes_and_the_device_holds_t
             assert inside == (id(p) in own), "a layer's own parameters, and only those, are views of its buffer"
         mine = sum(p.numel() * p.element_size() for p, *_ in layer.params)
         assert mine <= layer.nbytes < mine + 256 * len(layer.params), "exact bytes, aligned"
+    import mmap
+
+    pages = [(x.host.data_ptr() // mmap.PAGESIZE, (x.host.data_ptr() + x.nbytes - 1) // mmap.PAGESIZE)
+             for x in stream.layers]
+    assert all(x.host.data_ptr() % mmap.PAGESIZE == 0 for x in stream.layers)
+    assert all(a[1] < b[0] for a, b in zip(sorted(pages), sorted(pages)[1:])), \
+        "no two layers' buffers share a page (the driver locks whole pages, and refuses one locked twice)"
     shared = text.layers[1].mlp.up_proj.weight
     assert all(id(shared) not in {id(p) for p, *_ in layer.params} for layer in stream.layers), \
         "a parameter two layers use stays on the device for both"

@@ -1,11 +1,13 @@
 """What one rank of a sharded load holds in host memory: a random Llama of 1.77 GB (fp32, 24 layers, hidden 1,024)
-loaded whole by transformers, then by target.sharded.load_sharded over 2 and 4 gloo ranks on the CPU; every
+loaded whole by transformers, then by target.sharded.load_sharded over 2 and 4 gloo ranks on the CPU, and by one
+rank streaming its own copy (--offload cpu on one device: targets/streamed.py, its "device" the CPU here); every
 parameter is read once after the load, and each process prints its resident anonymous and file-backed memory.
 
-    python3 bench/shard_memory.py --work /tmp/sm          # builds the target, runs all three, prints the lines
+    python3 bench/shard_memory.py --work /tmp/sm          # builds the target, runs all four, prints the lines
 
 On the CPU the shards stay views of the safetensors' page cache (file-backed): a rank's file-backed memory is the
-part of the weights it reads.
+part of the weights it reads. The streamed rank copies each layer into a buffer of its own (anonymous memory, which
+on a GPU is page-locked), so its weights are counted there, beside the two slots a layer runs from.
 """
 from __future__ import annotations
 
@@ -45,6 +47,17 @@ def child(folder: str, mode: str) -> None:
     import torch.distributed as dist
 
     sharded.init_group(torch.device("cpu"), 120)
+    if mode == "streamed":
+        model = sharded.load_sharded(folder, torch.device("cpu"), "float32", 1, True)
+        _touch(model)
+        stream = model.dflash_stream
+        with torch.no_grad():  # one forward through the slots
+            model(input_ids=torch.zeros((1, 16), dtype=torch.long), use_cache=False)
+        print(f"streamed, one rank: holds {stream.host_bytes / 1e9:.2f} GB of layers in its buffers and "
+              f"{sum(x.numel() for x in stream.slots) / 1e9:.2f} GB of slots; {_rss()} (after the imports: {base})",
+              flush=True)
+        sharded.release_group()
+        return
     model = sharded.load_sharded(folder, torch.device("cpu"), "float32", dist.get_world_size(), False)
     _touch(model)
     print(f"rank {dist.get_rank()} of {dist.get_world_size()}: holds {sharded.bytes_of(model) / 1e9:.2f} GB of "
@@ -68,6 +81,7 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     me = str(Path(__file__).resolve())
     subprocess.run([sys.executable, me, "--child", str(folder), "whole"], env=env, check=True)
+    subprocess.run([sys.executable, me, "--child", str(folder), "streamed"], env=env, check=True)
     for n in (2, 4):
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                         me, "--child", str(folder), "sharded"], env=env, check=True, stderr=subprocess.DEVNULL)

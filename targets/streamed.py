@@ -364,6 +364,9 @@ def stream_layers(model: torch.nn.Module, text: torch.nn.Module, device: torch.d
     text.layers = torch.nn.ModuleList()
     try:
         model.to(device)
+        if device.type == "cpu":  # no move: own the rest's bytes, so no view keeps the checkpoint's file mapped
+            for p in model.parameters():
+                p.data = p.data.clone()
     finally:
         text.layers = layers
     return stream

@@ -262,6 +262,16 @@ def test_world_of_one_with_host_offload_equals_a_whole_copy(arch, targets, data,
     assert result["plan"]["placement"]["offload"] and result["plan"]["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
+def test_two_ranks_each_streaming_its_own_copy_equal_a_whole_copy(targets, data, references, tmp_path):
+    # --shard-weights 1 --offload cpu under torchrun: no FSDP2, each rank streams its own copy, in lockstep (uneven
+    # rows: one rank steps with empty forwards).
+    cfg = extract_config(targets["qwen3_moe"], data, tmp_path / "store", shard_size=2)
+    err = _finish(torchrun(2, _argv(cfg, "--shard-weights", "1", "--offload", "cpu", level="info")))
+    _assert_same(store_samples(cfg.out), references["qwen3_moe", "short"])
+    assert err.count("streamed to cpu a layer ahead") == 2, err[-3000:]  # each rank's own stream
+
+
 @pytest.mark.internals  # transformers' FSDP2 loading (DistributedConfig) and torch's FSDP2
 @needs_fsdp_loading
 def test_two_ranks_sharing_one_copy_equal_a_whole_copy(targets, data, references, tmp_path):

@@ -167,9 +167,13 @@ def load_sharded(model_dir: str | os.PathLike, device: torch.device, dtype: str,
 
     from .adapter import attention_for
 
+    from .load import hub_kernels_requested
+
     world = dist.get_world_size()
     config = AutoConfig.from_pretrained(os.fspath(model_dir))
-    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "attn_implementation": attention_for(config, device)}
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "attn_implementation": attention_for(config, device),
+                              # no Hub kernels unless asked: a sharded target runs the same code as a resident one
+                              "use_kernels": hub_kernels_requested()}
     if shard == 1:  # --offload cpu (else the target is not sharded): a copy in host memory, streamed a layer ahead
         from .streamed import stream_layers
 

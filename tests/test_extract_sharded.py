@@ -262,6 +262,23 @@ def test_world_of_one_with_host_offload_equals_a_whole_copy(arch, targets, data,
     assert result["plan"]["placement"]["offload"] and result["plan"]["tokens_per_s"] > 0
 
 
+@pytest.mark.internals
+def test_a_streamed_or_sharded_load_takes_no_hub_kernels_unless_asked(targets, monkeypatch):
+    # transformers 5.25 swaps Hub kernels into from_pretrained's model by default (downloads, other numerics): the
+    # resident load turns that off, and so does load_sharded (one kwargs for the streamed and the FSDP2 load).
+    import torch
+
+    from dflash.targets import sharded
+
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    sharded.init_group(torch.device("cpu"), 60)
+    try:
+        model = sharded.load_sharded(targets["llama"], torch.device("cpu"), "float32", 1, True)
+    finally:
+        sharded.release_group()
+    assert not getattr(model, "use_kernels", False)
+
+
 @pytest.mark.slow
 def test_two_ranks_each_streaming_its_own_copy_equal_a_whole_copy(targets, data, references, tmp_path):
     # --shard-weights 1 --offload cpu under torchrun: no FSDP2, each rank streams its own copy, in lockstep (uneven

@@ -14,7 +14,7 @@ from ..errors import ConfigError, InputError
 from ..runtime.memory import host_available_bytes
 from .weights import check_weights, weight_files
 
-__all__ = ["load_target", "check_weights", "check_finite", "load_for_features", "Loaded", "load_for_chat",
+__all__ = ["load_target", "causal_lm", "check_weights", "check_finite", "load_for_features", "Loaded", "load_for_chat",
            "WeightPrefetch", "weight_files", "hub_kernels_requested", "runtime_record"]
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,6 @@ def load_target(path: str | os.PathLike, *, device: Any = "cpu", dtype: Any = "f
     if not checked:
         check_weights(path, option=option)
     import torch
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
     kwargs: dict[str, Any] = {"dtype": dtype if dtype == "auto" or not isinstance(dtype, str) else getattr(torch, dtype)}
@@ -64,19 +62,28 @@ def load_target(path: str | os.PathLike, *, device: Any = "cpu", dtype: Any = "f
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
     try:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(os.fspath(path), **kwargs)
-        except ImportError:  # device_map needs accelerate on some transformers versions: load via host memory
-            kwargs.pop("device_map", None)
-            model = AutoModelForCausalLM.from_pretrained(os.fspath(path), **kwargs)
+        model = causal_lm(path, option, **kwargs)
+    except ImportError:  # device_map needs accelerate on some transformers versions: load via host memory
+        kwargs.pop("device_map", None)
+        model = causal_lm(path, option, **kwargs)
+    model = model.to(device).eval()
+    check_finite(model.named_parameters(), path, option)
+    return model
+
+
+def causal_lm(path: str | os.PathLike, option: str = "--model", **kwargs: Any) -> Any:
+    """Return transformers' AutoModelForCausalLM.from_pretrained(path, **kwargs); a folder without weights or
+    with broken ones is an InputError naming `option`."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(os.fspath(path), **kwargs)
     except (OSError, ValueError, SafetensorError) as e:  # a folder without weights, broken weights
         raise InputError(
             f"{option} {path}: expected a Hugging Face causal LM folder (config.json + weights), "
             f"loading failed with {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         ) from None
-    model = model.to(device).eval()
-    check_finite(model.named_parameters(), path, option)
-    return model
 
 
 def check_finite(named: Any, path: str | os.PathLike, option: str = "--model") -> None:

@@ -167,7 +167,7 @@ def load_sharded(model_dir: str | os.PathLike, device: torch.device, dtype: str,
 
     from .adapter import attention_for
 
-    from .load import hub_kernels_requested
+    from .load import causal_lm, hub_kernels_requested
 
     world = dist.get_world_size()
     config = AutoConfig.from_pretrained(os.fspath(model_dir))
@@ -177,7 +177,7 @@ def load_sharded(model_dir: str | os.PathLike, device: torch.device, dtype: str,
     if shard == 1:  # --offload cpu (else the target is not sharded): a copy in host memory, streamed a layer ahead
         from .streamed import stream_layers
 
-        model = AutoModelForCausalLM.from_pretrained(os.fspath(model_dir), **kwargs)
+        model = causal_lm(model_dir, **kwargs)
         model.dflash_stream = stream_layers(model, text_model(model), device)
         return model.eval()
     DistributedConfig = _distributed_config()
@@ -190,7 +190,7 @@ def load_sharded(model_dir: str | os.PathLike, device: torch.device, dtype: str,
     kwargs["distributed_config"] = DistributedConfig(
         fsdp_size=shard, dp_replicate_size=world // shard, fsdp_plan=plan,
         fsdp_cpu_offload=offload and device.type == "cuda")
-    model = AutoModelForCausalLM.from_pretrained(os.fspath(model_dir), **kwargs)
+    model = causal_lm(model_dir, **kwargs)
     model.eval()
     text = model.get_submodule(path)
     log.info("target %s: %d decoder layers sharded over %d of %d rank(s)%s; this rank holds %d bytes of weights",

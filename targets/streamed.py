@@ -1,7 +1,8 @@
 """A target's decoder layers kept in pinned host memory and streamed to the device one layer ahead of the forward.
 
-Each decoder layer's parameters live in one flat host buffer of exactly their bytes (page-locked with
-cudaHostRegister, not torch's pinned allocator, which rounds every block up to a power of two). The device holds the
+Each decoder layer's parameters live in one flat host buffer on pages of its own, their bytes rounded up to a page
+(page-locked in place with cudaHostRegister, not torch's pinned allocator, which rounds every block up to a power of
+two). The device holds the
 rest of the model (embedding, norms, rotary tables) and two slots of the largest layer's bytes: while layer i runs
 in one slot, layer i+1 is copied into the other on a stream of its own, so the copy hides behind the compute. A
 layer's forward pre-hook waits for its copy and points its parameters at the slot; its forward hook gives the slot
@@ -152,8 +153,8 @@ class LayerStream:
     # -- holding the weights -------------------------------------------------------------------------------------
 
     def _hold(self, m: torch.nn.Module, counts: dict[int, int]) -> _Layer:
-        """Move one layer's own parameters into one flat host buffer (exact bytes, page-locked on CUDA) and its
-        buffers and shared parameters to the device."""
+        """Move one layer's own parameters into one flat host buffer (on pages of its own, page-locked on CUDA) and
+        its buffers and shared parameters to the device."""
         params, off = [], 0
         for p in m.parameters():
             if counts[id(p)] > 1:  # shared with another layer: it stays on the device for both

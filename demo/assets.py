@@ -124,7 +124,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike, *, dtype:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if not tokenizer.chat_template:
         raise AssetError(f"{gguf_path}: expected a chat template in the GGUF metadata, found none")
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # use_kernels=False: transformers >= 5.25 would swap Hub kernels into a model that is only converted and saved
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, use_kernels=False)
     # A clean config: the GGUF loader records a quantization_config that would make from_pretrained treat the
     # saved bf16 folder as a GGUF checkpoint, and a name-or-path that points at the package folder.
     fields = loaded.config.to_dict()

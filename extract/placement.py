@@ -152,25 +152,26 @@ def decide(asked: int | None, offload: bool, size: TargetSize, *, free: int | No
                           f"one of {', '.join(str(k) for k in range(1, world + 1) if world % k == 0)}, or auto")
     gb = format_bytes
     what = f"the target's weights are {gb(size.params)}"
+    tail = f"; {what}" if size.params else ""  # not counted (a CPU run's auto): nothing to say
     if asked is not None:
         if offload and on_gpu and batch_tokens is None:
             batch, why = streamed_batch(size, asked, link=link, device_flops=device_flops, free=free,
                                         host_free=host_free, local_world=local_world)
-            return Placement(asked, True, batch, f"asked; {what}{why}")
-        return Placement(asked, offload, _batch(batch_tokens, asked > 1 or offload), f"asked; {what}")
+            return Placement(asked, True, batch, f"asked{tail}{why}")
+        return Placement(asked, offload, _batch(batch_tokens, asked > 1 or offload), f"asked{tail}")
     if not on_gpu:
         return Placement(1, False, _batch(batch_tokens, False),
-                         f"auto: the target runs on the CPU, whose memory holds it whole; {what}")
+                         f"auto: the target runs on the CPU, whose memory holds it whole{tail}")
     if offload:
         k = local_world if world % local_world == 0 else 1
         batch, why = (batch_tokens, "") if batch_tokens is not None else streamed_batch(
             size, k, link=link, device_flops=device_flops, free=free, host_free=host_free, local_world=local_world)
         return Placement(k, True, batch,
-                         f"auto with --offload cpu: one copy in each node's host memory, shared by its {k} rank(s); "
-                         f"{what}{why}")
+                         f"auto with --offload cpu: one copy in each node's host memory, shared by its {k} rank(s)"
+                         f"{tail}{why}")
     if free is None:
         return Placement(1, False, _batch(batch_tokens, False),
-                         f"auto: the GPUs' free memory is unknown here, so a whole copy per GPU; {what}")
+                         f"auto: the GPUs' free memory is unknown here, so a whole copy per GPU{tail}")
     usable = int(free * GPU_USABLE)
     whole = size.params + activation_bytes(size, _batch(batch_tokens, False))
     if whole <= usable:

@@ -70,6 +70,10 @@ def test_asked_placements_and_refusals():
     on_cpu = decide(None, False, SIZE_70B, free=None, host_free=None, local_world=1, world=1, batch_tokens=None,
                     on_gpu=False)
     assert (on_cpu.shard, on_cpu.offload, on_cpu.batch_tokens) == (1, False, 32768)
+    uncounted = decide(None, False, TargetSize(0, 0, 0, 0, 0, 0), free=None, host_free=None, local_world=1, world=1,
+                       batch_tokens=None, on_gpu=False)
+    assert uncounted.reason == "auto: the target runs on the CPU, whose memory holds it whole", \
+        "a size not counted is not said to be 0 B"
     with pytest.raises(ConfigError, match="--shard-weights 3: expected a number of ranks that divides the run's 8"):
         decide(3, False, SIZE_70B, free=None, host_free=None, local_world=8, world=8, batch_tokens=None, on_gpu=True)
     with pytest.raises(InputError, match="^--model m: .* more than this node's 100.00 GB of available host memory"):

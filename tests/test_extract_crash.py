@@ -75,6 +75,8 @@ def _argv(cfg) -> list[str]:
         argv += ["--data", d]
     for opt in ("shard_size", "batch_tokens", "max_length", "min_loss_tokens", "dtype"):
         argv += ["--" + opt.replace("_", "-"), str(getattr(cfg, opt))]
+    if cfg.offload == "cpu":  # the weights streamed from host memory by one rank
+        argv += ["--shard-weights", "1", "--offload", "cpu"]
     return argv
 
 
@@ -139,8 +141,9 @@ def _check_killed_store(cfg, reference) -> None:
     _assert_same(store_samples(cfg.out), reference)
 
 
-def test_sigkill_then_rerun_equals_uninterrupted(crash_data, tiny_qwen3, reference, tmp_path):
-    cfg = extract_config(tiny_qwen3, crash_data, tmp_path / "store", shard_size=1)
+@pytest.mark.parametrize("offload", ["none", "cpu"], ids=["resident", "streamed"])
+def test_sigkill_then_rerun_equals_uninterrupted(offload, crash_data, tiny_qwen3, reference, tmp_path):
+    cfg = extract_config(tiny_qwen3, crash_data, tmp_path / "store", shard_size=1, offload=offload)
     assert kill_and_resume(cfg, kills=3, seed=0) >= 2
     _check_killed_store(cfg, reference)
 

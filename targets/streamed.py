@@ -116,9 +116,16 @@ class LayerStream:
         self.pinned: bool | None = True if self.cuda else None  # None: the CPU, whose "device" is host memory
         self.copy_stream = torch.cuda.Stream(device=device) if self.cuda else None
         with self._on_device():  # registration and slots make no context on another GPU
+            t0 = shown = time.monotonic()
             for i, m in enumerate(modules):
                 self._index[id(m)] = i
                 self.layers.append(self._hold(m, counts))
+                if time.monotonic() - shown > 10:  # a large target's layers take minutes to move and lock: say so
+                    shown = time.monotonic()
+                    done = sum(x.nbytes for x in self.layers if x is not None)
+                    log.info("weights: %d of %d decoder layers in %s host memory (%.1f GB, %.1f GB/s)", i + 1,
+                             len(modules), "page-locked" if self.cuda else "their own", done / 1e9,
+                             done / 1e9 / (shown - t0))
             self._make_slots()
         self._slot_of: dict[int, int] = {}  # layer -> slot holding (or being filled with) its weights
         self._ready: dict[int, Any] = {}  # layer -> its copy's done event (CUDA)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 
 import pytest
 import torch
@@ -88,6 +89,21 @@ def test_each_layer_lives_in_one_host_buffer_of_its_bytes_and_the_device_holds_t
     assert all(id(shared) not in {id(p) for p, *_ in layer.params} for layer in stream.layers), \
         "a parameter two layers use stays on the device for both"
     assert len(stream.slots) == 2 and all(s.numel() == max(x.nbytes for x in stream.layers) for s in stream.slots)
+
+
+def test_moving_a_large_target_s_layers_says_how_far_it_got(monkeypatch, caplog):
+    import itertools
+
+    import dflash.targets.streamed as streamed
+
+    clock = itertools.count(0.0, 6.0)  # every layer "takes" 6 s: a line every other layer
+    monkeypatch.setattr(streamed.time, "monotonic", lambda: next(clock))
+    with caplog.at_level("INFO", logger="dflash.targets.streamed"):
+        model = _model(layers=6)
+        stream_layers(model, text_model(model), torch.device("cpu"))
+    lines = [r.getMessage() for r in caplog.records if "decoder layers in" in r.getMessage()]
+    assert lines and all(re.match(r"weights: \d of 6 decoder layers in their own host memory \(\d+\.\d GB, "
+                                  r"\d+\.\d GB/s\)", x) for x in lines), lines
 
 
 def test_a_cut_list_is_followed_and_trim_lets_the_cut_layers_go():

@@ -132,6 +132,8 @@ class LayerStream:
         self._freed: list[Any] = [None] * _SLOTS  # slot -> event after its last user's forward (CUDA)
         self._running: int | None = None
         self._running_on: Any = None  # the stream the running layer's forward was issued on (CUDA)
+        self._order_key: tuple[int, int, int] | None = None  # _next's memo of the list's order
+        self._after_of: dict[int, list[int]] = {}
         self._timing: deque[tuple[str, Any, Any, int]] = deque()  # (kind, start, end, bytes) not yet folded
         self.copied_bytes = 0
         self.copy_s = 0.0
@@ -200,6 +202,19 @@ class LayerStream:
     def _order(self) -> list[int]:
         return [self._index[id(m)] for m in getattr(self.owner, self.attr) if id(m) in self._index]
 
+    def _next(self, i: int) -> list[int]:
+        """Return the layers that run after layer i, nearest first (the first after the last): read off the list
+        as it is now, remembered while the list is the same object of the same length (the hooks ask twice a
+        layer)."""
+        layers = getattr(self.owner, self.attr)
+        key = (id(layers), len(layers), len(self._index))
+        if key != self._order_key:
+            order = self._order()
+            self._after_of = {x: [order[(k + j) % len(order)] for j in range(1, _SLOTS + 1)]
+                              for k, x in enumerate(order)}
+            self._order_key = key
+        return self._after_of.get(i, [])
+
     def _before(self, module: torch.nn.Module, args: Any) -> None:
         i = self._index[id(module)]
         if self._running is not None:  # the previous forward failed inside a layer: that layer is done
@@ -239,12 +254,7 @@ class LayerStream:
 
     def _prefetch(self, i: int) -> None:
         """Copy the layers that run after layer i (in the list's order, the first after the last) into free slots."""
-        order = self._order()
-        if i not in order:
-            return
-        at = order.index(i)
-        for k in range(1, _SLOTS + 1):
-            nxt = order[(at + k) % len(order)]
+        for nxt in self._next(i):
             if nxt in self._slot_of:
                 continue
             slot = self._free_slot(evict=False)

@@ -170,7 +170,10 @@ def _upcast(model: Any, layers: Any) -> Iterator[None]:
             for t in stack.pop():
                 t.data = cast.pop(id(t))
 
-        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        # The restore runs before any other forward hook of the module: a layer streamed from host memory
+        # (targets/streamed.py) is bound to its device slot by a pre-hook registered before this one and given back
+        # by a forward hook, which must find its own weights restored, not the upcast copies.
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post, prepend=True)]
 
     # The vocabulary-sized matrices need no float32 copy (V x H x 4 bytes each, the largest of the check: 1.2 GiB
     # apiece for a 152K x 2,048 target): a plain embedding's rows are exact in float32 once looked up, and the head's

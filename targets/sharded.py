@@ -221,9 +221,11 @@ class ShardedRunner(TargetRunner):
         model.lm_head = torch.nn.Identity()
         self._kwargs = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
         self._cut = False
-        # The model's own kernels, checked for layers and positions: kernels.choose would recast FSDP2's sharded
-        # weights to float32 for its reference, and each rank must run the same forwards in step.
-        super().__init__(model, layer_ids, check=True, check_length=check_length, choose_kernels=False)
+        # Under FSDP2 the model's own kernels, checked for layers and positions: kernels.choose would recast its
+        # sharded weights to float32 for its reference, and each rank must run the same forwards in step. A rank
+        # streaming its own copy has no peers and whole layers on the device: it chooses them as a resident target.
+        streamed = getattr(model, "dflash_stream", None) is not None
+        super().__init__(model, layer_ids, check=True, check_length=check_length, choose_kernels=streamed)
         model.lm_head = torch.nn.Identity()
         self._cut = True
         _prefetch_next(self.text)

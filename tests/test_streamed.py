@@ -151,6 +151,25 @@ def test_a_forward_that_failed_inside_a_layer_leaves_the_next_one_exact():
     assert all(p.device.type == "cpu" for p in text.layers.parameters())
 
 
+def test_the_kernel_choice_s_float32_reference_runs_through_the_stream():
+    # kernels.choose upcasts each layer in turn in hooks of its own: around the stream's, so the reference is the
+    # float32 forward of the streamed weights, and every weight is back in its host buffer, in its dtype, after it.
+    from dflash.targets import kernels
+
+    whole = _model(layers=4, dtype=torch.bfloat16)
+    streamed = copy.deepcopy(whole)
+    stream = stream_layers(streamed, text_model(streamed), torch.device("cpu"))
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(6))
+    want = kernels.eager_float32_states(whole, text_model(whole), ids, 4, [40, 23])
+    got = kernels.eager_float32_states(streamed, text_model(streamed), ids, 4, [40, 23])
+    assert all(x.dtype == torch.float32 and torch.equal(x, y) for x, y in zip(got, want))
+    bf16 = kernels.model_states(whole, ids, 4, [40, 23])
+    assert not all(torch.equal(x.float(), y) for x, y in zip(bf16, want)), "the reference did run in float32"
+    for layer in stream.layers:
+        lo, hi = layer.host.data_ptr(), layer.host.data_ptr() + layer.nbytes
+        assert all(p.dtype == torch.bfloat16 and lo <= p.data_ptr() < hi for p, *_ in layer.params)
+
+
 @pytest.mark.gpu
 def test_on_cuda_host_layers_are_page_locked_and_forwards_equal_the_resident_model():
     device = torch.device("cuda", 0)

@@ -3,7 +3,8 @@
 # what finished comes back in $OUT. Usage on the device (repo root, .whl carried): bash bench/h200_session.sh PART
 #   PART 1: bench/oom_split.py, then bench/forward_kernels.py on the two MoE shapes
 #   PART 2: bench/forward_kernels.py on the MLA and hybrid shapes, then `pytest -m gpu tests/test_kernels.py`
-#   PART 3: the streamed offload's GPU test (tests/test_streamed.py), then bench/offload.py on the Qwen3-32B shape
+#   PART 3: the streamed offload's GPU tests (tests/test_streamed.py, the offloaded store against the resident one),
+#           then bench/offload.py on the Qwen3-32B shape
 #   PART 8: bench/offload.py on the Qwen3.6-27B shape (issue 40's second case)
 #   PART 4: bench/oom_split.py, then bench/forward_kernels.py --only-chosen on the Qwen3-30B-A3B and DeepSeek-V3 shapes
 #   PART 5: the GPU demo (`dflash demo --device cuda`, the blosc arm of issue 41's codec A/B); the GGUF travels in two
@@ -46,7 +47,8 @@ case "${1:-1}" in
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py > "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests exit $?" >> "$OUT/gpu.txt"
   ;;
 3)
-  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_streamed.py > "$OUT/gpu_streamed.txt" 2>&1
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_streamed.py tests/test_extract_sharded.py \
+    > "$OUT/gpu_streamed.txt" 2>&1
   echo "streamed gpu test exit $?" >> "$OUT/gpu.txt"
   timeout "$(left)" python3 bench/offload.py --work /tmp/bo --case qwen3_32b --tokens 400000 --out "$OUT/offload.json" \
     > "$OUT/offload.txt" 2>&1; echo "offload exit $?" >> "$OUT/gpu.txt"

@@ -3,7 +3,7 @@ features, and, on a finished `dflash demo` folder, measured tau of the demo's dr
 
     python bench/codec_ab.py [--model FOLDER] [--smoke]          # bytes a token and error (the demo's SmolLM2)
     python bench/codec_ab.py --store DEMO_OUT/store --tokens 16384 # the same on the features a demo stored
-    python bench/codec_ab.py --demo DEMO_OUT --work /tmp/ab [--codecs bf16m1,bf16m2,fp8] [--json ab.json]
+    python bench/codec_ab.py --demo DEMO_OUT --work /tmp/ab [--codecs uq6,fp8,uq4] [--json ab.json]
 
 --demo takes the demo's data, its lossless blosc store, its drafter and its decoding as the blosc arm; per codec it
 extracts the same data again with that codec, trains the same drafter with the same settings (the demo's own stage
@@ -68,34 +68,43 @@ def stored_features(store_dir: Path, max_tokens: int) -> np.ndarray:
 
 
 def measure(bits: np.ndarray, codecs: list[str], chunk: int = 512) -> list[dict]:
-    """Return per codec: stored bytes a token (whole chunks, as the writer encodes them), x raw, relative error."""
+    """Return per codec: stored bytes a token (whole chunks, as the writer encodes them), x raw, relative error a
+    (token, layer) row, the same without each row's largest 1% of magnitudes (the bulk: a hidden state's few huge
+    channels carry most of a row's norm), and the encode and decode throughput (raw bf16 MB/s, one thread's torch)."""
     import torch
 
     from dflash.extract.dry_run import _encoded_bytes
-    from dflash.storage.codec import TRIM_BITS, fp8_to_bf16_bits, to_fp8, trim_mantissa
+    from dflash.storage.codec import SCALED_CODECS, TRIM_BITS, decode_scaled_into, encode_scaled, trim_mantissa
 
     T = bits.shape[0] // chunk * chunk
     bits = bits[:T]
     raw = bits[0].size * 2
     ref = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
+    mag = ref.abs()
+    H = ref.shape[-1]
+    bulk = mag < mag.kthvalue(max(1, H - H // 100), dim=-1, keepdim=True).values
     rows = []
     for codec in codecs:
         t0 = time.perf_counter()
         stored = sum(_encoded_bytes(bits[i:i + chunk], codec) for i in range(0, T, chunk))
         enc_s = time.perf_counter() - t0
-        if codec == "fp8":
-            q, s = to_fp8(bits)
+        back, dec_s = bits, 0.0
+        if codec in SCALED_CODECS:
+            q, s = encode_scaled(bits, codec)
             back = np.empty_like(bits)
-            fp8_to_bf16_bits(q, s, back)
+            t0 = time.perf_counter()
+            decode_scaled_into(codec, q, s, back)
+            dec_s = time.perf_counter() - t0
         elif codec in TRIM_BITS:
             back = trim_mantissa(bits, TRIM_BITS[codec])
-        else:
-            back = bits
         got = torch.from_numpy(back.view(np.int16)).view(torch.bfloat16).float()
-        err = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
+        diff = got - ref
+        err = diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
+        err_bulk = (diff * bulk).norm(dim=-1) / (ref * bulk).norm(dim=-1).clamp_min(1e-30)
         rows.append({"codec": codec, "bytes_per_token": stored / T, "x_raw": stored / T / raw,
                      "rel_error_mean": float(err.mean()), "rel_error_max": float(err.max()),
-                     "encode_mb_s": T * raw / enc_s / 1e6})
+                     "bulk_error_mean": float(err_bulk.mean()), "encode_mb_s": T * raw / enc_s / 1e6,
+                     "decode_mb_s": T * raw / dec_s / 1e6 if dec_s else None})
     return rows
 
 
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--store", type=Path,
                    help="bytes and error: read the features of this lossless (blosc or none) store, not a forward")
     p.add_argument("--codecs", default=None,
-                   help="default: blosc,fp8,bf16m3,bf16m2,bf16m1 (bytes); bf16m1,bf16m2,fp8 (--demo)")
+                   help="default: blosc,fp8,uq8,uq6,uq4,bf16m3,bf16m2,bf16m1 (bytes); uq6,fp8,uq4 (--demo)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens of real features measured (bytes and error)")
     p.add_argument("--smoke", action="store_true", help="CPU, 1,024 tokens: bytes a token and error only")
     p.add_argument("--demo", type=Path, help="A/B: a finished `dflash demo` folder (its data, store, run, decoding)")
@@ -189,12 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, help="A/B: also write the result here")
     args = p.parse_args(argv)
     if args.demo is not None:
-        result = arms(args.demo, args.work, (args.codecs or "bf16m1,bf16m2,fp8").split(","))
+        result = arms(args.demo, args.work, (args.codecs or "uq6,fp8,uq4").split(","))
         print_arms(result)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1) + "\n")
         return
-    codecs = (args.codecs or "blosc,fp8,bf16m3,bf16m2,bf16m1").split(",")
+    codecs = (args.codecs or "blosc,fp8,uq8,uq6,uq4,bf16m3,bf16m2,bf16m1").split(",")
     if args.store is not None:  # what a store holds: the features extraction wrote (a demo's: its answers)
         bits = stored_features(args.store, args.tokens)
         print(f"{bits.shape[0]} tokens of the lossless store {args.store}")
@@ -210,8 +219,10 @@ def main(argv: list[str] | None = None) -> None:
         bits, ids = features(model, texts, 1024 if args.smoke else args.tokens, device)
         print(f"{bits.shape[0]} tokens of layers {ids} of {model}")
     for r in measure(bits, codecs):
+        dec = f"  decode {r['decode_mb_s']:,.0f} MB/s" if r["decode_mb_s"] else ""
         print(f"{r['codec']:8s} {r['bytes_per_token']:10,.0f} B/token  {r['x_raw']:.3f}x raw bf16  rel. error mean "
-              f"{r['rel_error_mean']:.4f} max {r['rel_error_max']:.4f}  encode {r['encode_mb_s']:,.0f} MB/s")
+              f"{r['rel_error_mean']:.4f} max {r['rel_error_max']:.4f} bulk {r['bulk_error_mean']:.4f}  encode "
+              f"{r['encode_mb_s']:,.0f} MB/s{dec}", flush=True)
 
 
 if __name__ == "__main__":

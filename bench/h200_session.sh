@@ -9,8 +9,9 @@
 #   PART 4: bench/oom_split.py, then bench/forward_kernels.py --only-chosen on the Qwen3-30B-A3B and DeepSeek-V3 shapes
 #   PART 5: the GPU demo (`dflash demo --device cuda`, the blosc arm of issue 41's codec A/B); the GGUF travels in two
 #           halves: .g1/part (its first 50,000,000 bytes) with an earlier call, kept in /tmp/g1part, .g2/part with this
-#   PART 6: the demo finished if a limit cut it, then bench/codec_ab.py --demo on it (the bf16m1, bf16m2 and fp8
-#           arms, about 5.5 minutes each on an H200: a second call continues them)
+#   PART 6: the demo finished if a limit cut it, then bench/codec_ab.py --demo on it (the uq6, fp8 and uq4 arms, in
+#           that order: uq6 is the candidate for issue 41's goal; about 5.5 minutes each on an H200, and each later
+#           call continues where the last one stopped)
 #   PART 7: bench/forward_kernels.py --only-chosen on the Qwen3.6-27B shape, then `pytest -m gpu tests/test_kernels.py`
 # Any part keeps a carried .g1/part in /tmp/g1part for part 5.
 set -u
@@ -71,7 +72,7 @@ case "${1:-1}" in
   ;;
 6)
   demo "$(left)"
-  timeout "$(left 585)" python3 bench/codec_ab.py --demo /tmp/demo --work /tmp/ab --codecs bf16m1,bf16m2,fp8 --json "$OUT/ab.json" \
+  timeout "$(left 585)" python3 bench/codec_ab.py --demo /tmp/demo --work /tmp/ab --codecs uq6,fp8,uq4 --json "$OUT/ab.json" \
     > "$OUT/ab.txt" 2>&1; echo "codec_ab exit $?" >> "$OUT/gpu.txt"
   ;;
 7)

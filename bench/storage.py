@@ -175,6 +175,7 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.0, help="raw bf16 feature bytes of the shard")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--chunks", default="256,512,1024")
+    ap.add_argument("--lossy", default="fp8,uq6", help="lossy codecs measured at chunk 512 (comma-separated)")
     ap.add_argument("--real", choices=["auto", "skip"], default="auto")
     ap.add_argument("--real-tokens", type=int, default=8192)
     ap.add_argument("--repeat", type=int, default=3, help="store write/cold-read rounds per configuration")
@@ -230,7 +231,8 @@ def run(args, root: str, cuda: bool) -> None:
     print(f"{'store':<22}{'write GB/s':>11}{'x raw':>7}{'read cold':>11}{'x raw':>7}{'read warm':>11}"
           f"{'x raw':>7}{'no-verify':>11}{'verify cost':>12}{'disk/raw':>10}{'cold O_DIR':>11}{'x raw':>7}")
     rows = []
-    configs = [("none", 512)] + [("blosc", int(c)) for c in args.chunks.split(",")] + [("fp8", 512)]
+    configs = [("none", 512)] + [("blosc", int(c)) for c in args.chunks.split(",")]
+    configs += [(c, 512) for c in args.lossy.split(",") if c]
     for codec, chunk in configs:
         url = os.path.join(root, f"{codec}-{chunk}")
         t_w, t_cold = [], []
@@ -242,7 +244,7 @@ def run(args, root: str, cuda: bool) -> None:
         t_direct = min(read_store_direct(url, pinned) for _ in range(2))
         t_warm = min(read_store(url, pinned, cold=False) for _ in range(3))
         t_nov = min(read_store(url, pinned, verify=False, cold=False) for _ in range(3))
-        if codec != "fp8":
+        if codec in ("none", "blosc"):
             ok = torch.equal(pinned.view(torch.int16), torch.from_numpy(bits.reshape(-1).view(np.int16)))
             assert ok, f"{codec} read back differs"
         rows.append((codec, chunk, min(t_w), min(t_cold), t_warm, t_nov, rec["bytes"] / nbytes, t_direct))
@@ -271,7 +273,7 @@ def run(args, root: str, cuda: bool) -> None:
     else:
         print(f"\n# real SmolLM2-135M features: {real.shape[0]} tokens x {L} layers x {real.shape[2]} hidden")
         ref = torch.from_numpy(real.view(np.int16)).view(torch.bfloat16).float()
-        for codec in ("blosc", "fp8"):
+        for codec in ["blosc"] + [c for c in args.lossy.split(",") if c]:
             url = os.path.join(root, f"real-{codec}")
             _, rec = write_store(url, real, codec, 512)
             from dflash.storage import Store

@@ -74,10 +74,10 @@ class _Keep:
 
 def _encoded_bytes(bits: np.ndarray, codec: str) -> int:
     """Return the stored bytes of one whole feature chunk (bf16 bits) as the store's writer encodes it."""
-    from ..storage.codec import TRIM_BITS, encode_chunk, to_fp8, trim_mantissa
+    from ..storage.codec import SCALED_CODECS, TRIM_BITS, encode_chunk, encode_scaled, trim_mantissa
 
-    if codec == "fp8":
-        q, scales = to_fp8(bits)
+    if codec in SCALED_CODECS:
+        q, scales = encode_scaled(bits, codec)
         return len(memoryview(encode_chunk(q, True)).cast("B")) + len(memoryview(encode_chunk(scales, True)).cast("B"))
     if codec in TRIM_BITS:
         return len(memoryview(encode_chunk(trim_mantissa(bits, TRIM_BITS[codec]), True)).cast("B"))
@@ -117,17 +117,26 @@ def _shard_bytes(tokens: int, samples: int, header: dict[str, Any], chunk: int, 
     compressed = header["codec"] != "none"
     docs = [array_metadata([tokens, L, H], [chunk, L, H], np.uint16, compressed, {"logical_dtype": "bfloat16"})]
     docs += [array_metadata([samples], [max(1, samples)], np.int64, compressed) for _ in range(4)]
-    files = n * (2 if header["codec"] == "fp8" else 1) + 4 + len(docs)
+    if _scaled(header):
+        docs.append(array_metadata([tokens, L], [chunk, L], np.float32, compressed))
+    files = n * (2 if _scaled(header) else 1) + 4 + len(docs)
     meta = sum(len(dumps(d)) for d in docs) + len(dumps(group_metadata({"shard_id": 0})))
     return real * tokens + pad * (n * chunk - tokens) + small + meta + _RECORD_BYTES + _RECORD_FILE_BYTES * files
 
 
 def _shard_objects(tokens: int, header: dict[str, Any], chunk: int) -> int:
-    """Return the files (objects) a committed shard holds: feature chunks (+ fp8 scales), 4 small arrays, 5 array
-    documents (6 with scales), its group document and its commit record."""
+    """Return the files (objects) a committed shard holds: feature chunks (+ their scales under fp8 and the uq codecs),
+    4 small arrays, 5 array documents (6 with scales), its group document and its commit record."""
     n = math.ceil(tokens / chunk)
-    fp8 = header["codec"] == "fp8"
-    return n * (2 if fp8 else 1) + 4 + (6 if fp8 else 5) + 1 + 1
+    scaled = _scaled(header)
+    return n * (2 if scaled else 1) + 4 + (6 if scaled else 5) + 1 + 1
+
+
+def _scaled(header: dict[str, Any]) -> bool:
+    """Return whether the store's codec keeps a scale a row in its own chunks (fp8, the uq codecs)."""
+    from ..storage.codec import SCALED_CODECS
+
+    return header["codec"] in SCALED_CODECS
 
 
 def _measure(cfg: Any, header: dict[str, Any], samples: list[Any], device: str) -> tuple[float, float, float]:

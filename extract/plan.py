@@ -39,9 +39,10 @@ BATCH_OVERHEAD_TOKENS = 128
 
 
 # Stored / raw bf16 feature bytes by codec, as measured (bench/RESULTS.md: 0.68-0.70 lossless on real SmolLM2 and
-# random-init 8B features, fp8 0.41-0.43; the bf16 trims on the SmolLM2 demo's answers), for the estimate a plain
-# `dflash extract` checks before it starts.
-CODEC_RATIO = {"blosc": 0.70, "none": 1.0, "fp8": 0.43, "bf16m3": 0.45, "bf16m2": 0.39, "bf16m1": 0.35}
+# random-init 8B features, fp8 0.41-0.43; the uq codecs and the bf16 trims on the SmolLM2 demo's answers, rounded up
+# to the next hundredth), for the estimate a plain `dflash extract` checks before it starts.
+CODEC_RATIO = {"blosc": 0.70, "none": 1.0, "fp8": 0.43, "uq8": 0.37, "uq6": 0.35, "uq4": 0.31, "bf16m3": 0.45,
+               "bf16m2": 0.39, "bf16m1": 0.35}
 # What fp8 features cost a drafter, measured (bench/RESULTS.md, "fp8's price", bench/fp8_price.py): the CPU demo's
 # drafter trained from its blosc store and from an fp8 store of the same data, scored on the same held-out prompts.
 FP8_PRICE = "on the CPU demo's drafter held-out tau_hat 1.248 -> 1.254 and measured tau 1.233 -> 1.231"

@@ -1,4 +1,5 @@
-"""Chunk codecs of the store: Blosc(zstd) / none on the stored integer arrays, and the lossy fp8 feature encoding.
+"""Chunk codecs of the store: Blosc(zstd) / none on the stored integer arrays, and the lossy feature encodings (fp8
+and the uniform quantizers with a scale a row; the bf16 mantissa trims).
 
 Every chunk a codec writes is exactly what zarr's `bytes` (+ `blosc`) codec chain would write, so the files stay a
 valid zarr v3 store while our own reader decodes them straight into the caller's memory.
@@ -22,11 +23,17 @@ __all__ = [
     "fp8_to_bf16_bits",
     "TRIM_BITS",
     "trim_mantissa",
+    "QUANT_DIVISORS",
+    "SCALED_CODECS",
+    "to_uq",
+    "uq_to_bf16_bits",
+    "encode_scaled",
+    "decode_scaled_into",
 ]
 
 log = logging.getLogger(__name__)
 
-CODECS = ("blosc", "none", "fp8", "bf16m3", "bf16m2", "bf16m1")
+CODECS = ("blosc", "none", "fp8", "uq8", "uq6", "uq4", "bf16m3", "bf16m2", "bf16m1")
 # Lossy bf16 codecs that keep this many of bf16's 7 mantissa bits (rounded to nearest even), then the same
 # Blosc(zstd, byte shuffle) as blosc: the low byte, nearly random in bf16, becomes mostly zeros; unlike fp8 the values
 # need no scales (the exponent is untouched), so the relative error is at most 2^-(m+1) for every normal value,
@@ -34,6 +41,20 @@ CODECS = ("blosc", "none", "fp8", "bf16m3", "bf16m2", "bf16m1")
 # raw bf16 for bf16m3 / bf16m2 / bf16m1 against fp8's 0.417x (relative error 2.6% / 5.1% / 9.9%, fp8 2.1%); byte
 # shuffle beat bit shuffle for each, and zstd level 9 gains 2-4% for several times the encode time.
 TRIM_BITS = {"bf16m3": 3, "bf16m2": 2, "bf16m1": 1}
+
+# Uniform quantizers: each (token, layer) row becomes integers with one step, the row's median magnitude over this
+# divisor, stored zigzagged in uint16 under the same Blosc(zstd, byte shuffle) as blosc, the step beside them as fp8's
+# scale. For a linear consumer (the drafter's first layer) an entropy-coded uniform quantizer spends its bits where
+# the error is: a float format gives the row's small values as many significant bits as its large ones. The median
+# ignores the few huge channels a hidden state carries, so the bulk of a row keeps its precision; a row whose largest
+# value would overflow 15 bits takes the finer step amax / 32767. On the SmolLM2 demo's stored answers (bench/
+# RESULTS.md, 2026-12-05): uq8 / uq6 / uq4 0.37x / 0.34x / 0.31x of raw bf16 at a relative error a row of 1.3% / 1.8%
+# / 2.6%, where fp8 is 0.42x at 2.1% (measured as bench/codec_ab.py does).
+QUANT_DIVISORS = {"uq8": 8, "uq6": 6, "uq4": 4}
+# Codecs whose features carry a float32 scale (step) a row, in a `feature_scales` array beside them.
+SCALED_CODECS = ("fp8", *QUANT_DIVISORS)
+ZIGZAG_MAX = 32767  # |q| <= this keeps a zigzagged integer in 16 bits
+_UQ_BLOCK = 32
 
 # zstd level 1 with byte shuffle and 1 MiB blocks: 1.43x on real bf16 activations at ~0.7 GB/s a core.
 # Blosc's default blocksize at clevel 1 loses most of that gain (1.22x), and lz4 gains nothing (DESIGN.md).
@@ -46,6 +67,12 @@ FP8_MAX = 448.0
 def feature_dtype(codec: str) -> np.dtype:
     """Return the numpy dtype the features array is stored as: uint16 bf16 bits, or uint8 fp8 bits for fp8."""
     return np.dtype(np.uint8) if codec == "fp8" else np.dtype(np.uint16)
+
+
+def _bf16(bits: np.ndarray) -> Any:
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
 
 
 def trim_mantissa(bits: np.ndarray, keep: int) -> np.ndarray:
@@ -142,3 +169,68 @@ def fp8_to_bf16_bits(q: np.ndarray, scale: np.ndarray, dest: np.ndarray) -> None
     x = torch.from_numpy(np.ascontiguousarray(q)).view(torch.float8_e4m3fn).float()
     x.mul_(torch.from_numpy(np.ascontiguousarray(scale)).unsqueeze(-1))
     torch.from_numpy(dest.view(np.int16)).view(torch.bfloat16).copy_(x)
+
+
+def to_uq(bits: np.ndarray, divisor: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return (zigzagged integers uint16 [t, L, H], float32 steps [t, L]) of bf16 bits [t, L, H]: each row divided by
+    its step (its median magnitude / divisor, or amax / 32767 if finer) and rounded to nearest; lossy by design. A zero
+    row keeps step 1 (decodes to exact zeros); a row holding NaN or inf gets step NaN (decodes to NaN, never to
+    plausible numbers)."""
+    import torch
+
+    t, _, H = bits.shape
+    src = _bf16(bits)
+    z = np.empty(bits.shape, np.uint16)
+    steps = np.empty(bits.shape[:2], np.float32)
+    zt, st = torch.from_numpy(z.view(np.int16)), torch.from_numpy(steps)
+    # The median of every stride-th value: the step needs no more (it is stored), and a full median per row cost
+    # more than all the rest of the encoding.
+    stride = max(1, H // 256)
+    # Rows in blocks of _UQ_BLOCK tokens keep the temporaries in cache: 2.5-4x the throughput of whole chunks.
+    for i in range(0, t, _UQ_BLOCK):
+        x = src[i : i + _UQ_BLOCK].float()
+        amax = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_())  # aminmax is 20x slower on the CPU
+        step = torch.maximum(x[..., ::stride].abs().median(dim=-1).values / divisor, amax / ZIGZAG_MAX)
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        finite = torch.isfinite(amax)
+        if not bool(finite.all()):
+            x[~finite] = 0.0
+            step = torch.where(finite, step, torch.full_like(step, float("nan")))
+        st[i : i + _UQ_BLOCK] = step
+        inv = torch.where(finite, 1.0 / step, torch.zeros_like(step))
+        q = x.mul_(inv.unsqueeze_(-1)).round_().clamp_(-ZIGZAG_MAX, ZIGZAG_MAX).to(torch.int32)
+        # Zigzag (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...): small magnitudes get small high bytes, which byte shuffle and
+        # zstd then store in almost nothing; the cast to 16 bits keeps the low 16 of them.
+        sign = q >> 31
+        q.bitwise_left_shift_(1).bitwise_xor_(sign)
+        zt[i : i + _UQ_BLOCK].copy_(q)
+    return z, steps
+
+
+def uq_to_bf16_bits(z: np.ndarray, step: np.ndarray, dest: np.ndarray) -> None:
+    """Write bf16 bits of zigzagged integers z [t, L, H] (uint16) times step [t, L] into dest (uint16 [t, L, H])."""
+    import torch
+
+    zt = torch.from_numpy(np.ascontiguousarray(z).view(np.int16))
+    st = torch.from_numpy(np.ascontiguousarray(step, dtype=np.float32))
+    out = torch.from_numpy(dest.view(np.int16)).view(torch.bfloat16)
+    for i in range(0, zt.shape[0], _UQ_BLOCK):
+        u = zt[i : i + _UQ_BLOCK].to(torch.int32).bitwise_and_(0xFFFF)
+        sign = (u & 1).neg_()
+        v = u.bitwise_right_shift_(1).bitwise_xor_(sign).float()
+        out[i : i + _UQ_BLOCK].copy_(v.mul_(st[i : i + _UQ_BLOCK].unsqueeze(-1)))
+
+
+def encode_scaled(bits: np.ndarray, codec: str) -> tuple[np.ndarray, np.ndarray]:
+    """Return (the stored feature array, float32 scales [t, L]) of bf16 bits [t, L, H] under a scaled codec."""
+    if codec == "fp8":
+        return to_fp8(bits)
+    return to_uq(bits, QUANT_DIVISORS[codec])
+
+
+def decode_scaled_into(codec: str, stored: np.ndarray, scales: np.ndarray, dest: np.ndarray) -> None:
+    """Write bf16 bits of a scaled codec's stored features [t, L, H] with their scales [t, L] into dest."""
+    if codec == "fp8":
+        fp8_to_bf16_bits(stored, scales, dest)
+    else:
+        uq_to_bf16_bits(stored, scales, dest)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import CorruptShard, StoreError
-from .codec import decode_chunk_into, fp8_to_bf16_bits
+from .codec import SCALED_CODECS, decode_chunk_into, decode_scaled_into
 from .fs import StoreFS, aligned_buffer, is_aligned
 from .layout import FORMAT_VERSION, ROOT_META, commit_path, record_digest, shard_dir
 
@@ -175,13 +175,13 @@ def read_features(
     spec = record["arrays"]["features"]
     C, L, H = (int(x) for x in spec["chunk_shape"])
     codec = record["codec"]
-    compressed, fp8 = codec != "none", codec == "fp8"
+    compressed, scaled = codec != "none", codec in SCALED_CODECS
     stored_dtype = np.dtype(spec["dtype"])
 
     def one(i: int) -> None:
         lo, hi = max(start, i * C), min(stop, (i + 1) * C)
         rel = f"features/c.{i}.0.0"
-        if not fp8 and lo == i * C and hi == (i + 1) * C:  # a whole chunk: decode (or read) straight into dest
+        if not scaled and lo == i * C and hi == (i + 1) * C:  # a whole chunk: decode (or read) straight into dest
             target = dest[lo - start : hi - start]
             view = memoryview(target).cast("B")
             # Uncompressed bytes land in dest itself when O_DIRECT can take it (aligned), else via a buffer.
@@ -194,11 +194,11 @@ def read_features(
         stored = _read_file(fs, shard_id, record, rel, None, verify)
         _decode(fs, shard_id, rel, stored, tmp, compressed)
         part = slice(lo - i * C, hi - i * C)
-        if fp8:
+        if scaled:
             scales = np.empty((C, L), np.float32)
             srel = f"feature_scales/c.{i}.0"
             _decode(fs, shard_id, srel, _read_file(fs, shard_id, record, srel, None, verify), scales, compressed)
-            fp8_to_bf16_bits(tmp[part], scales[part], dest[lo - start : hi - start])
+            decode_scaled_into(codec, tmp[part], scales[part], dest[lo - start : hi - start])
         else:
             dest[lo - start : hi - start] = tmp[part]
 

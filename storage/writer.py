@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import StoreError
 from . import claims
 from .fs import StoreFS
-from .codec import TRIM_BITS, array_metadata, encode_chunk, feature_dtype, to_fp8, trim_mantissa
+from .codec import QUANT_DIVISORS, SCALED_CODECS, TRIM_BITS, array_metadata, encode_chunk, encode_scaled, feature_dtype, trim_mantissa
 from .layout import FORMAT_VERSION, commit_path, dumps, group_metadata, header_digest, record_digest, shard_dir
 
 __all__ = ["ShardWriter", "features_to_bits"]
@@ -58,7 +58,7 @@ class ShardWriter:
         self.hidden_size = int(header["hidden_size"])
         self.chunk_tokens = int(chunk_tokens)
         self._compressed = self.codec != "none"
-        self._fp8 = self.codec == "fp8"
+        self._scaled = self.codec in SCALED_CODECS  # fp8 and the uq codecs: a scale (step) a row beside them
         self._dtype = feature_dtype(self.codec)
         self._ids: list[np.ndarray] = []
         self._masks: list[np.ndarray] = []
@@ -76,7 +76,7 @@ class ShardWriter:
         # chunks still queued; commit_files: the small arrays, documents, fsyncs and the record): the timeline's.
         self.times = {"compress": 0.0, "write_fsync": 0.0, "commit_wait": 0.0, "commit_files": 0.0}
         self._times_lock = threading.Lock()
-        for name in ("features", "feature_scales") if self._fp8 else ("features",):
+        for name in ("features", "feature_scales") if self._scaled else ("features",):
             self._fs.makedirs(f"{self._dir}/{name}")
         # Renews the claim while the shard is written, so peers on other hosts see this writer alive.
         self._heartbeat = claims.Heartbeat(fs, shard_id, claim)
@@ -104,7 +104,7 @@ class ShardWriter:
         return self._offsets[-1]
 
     def _new_buffers(self) -> None:
-        # Always bf16 bits: fp8 quantises whole chunks in the pool.
+        # Always bf16 bits: the scaled codecs quantise whole chunks in the pool.
         self._chunk = np.empty((self.chunk_tokens, self.num_layers, self.hidden_size), np.uint16)
 
     def append(self, input_ids: Any, loss_mask: Any, features: Any, sample_id: int) -> None:
@@ -141,8 +141,8 @@ class ShardWriter:
         if self._fill < self.chunk_tokens:
             self._chunk[self._fill :] = 0
         i = self._chunk_index
-        if self._fp8:
-            self._pending.append(self._pool.submit(self._write_fp8_chunk, i, self._chunk))
+        if self._scaled:
+            self._pending.append(self._pool.submit(self._write_scaled_chunk, i, self._chunk))
         elif self.codec in TRIM_BITS:
             self._pending.append(self._pool.submit(self._write_trimmed_chunk, i, self._chunk))
         else:
@@ -157,9 +157,9 @@ class ShardWriter:
     def _submit(self, rel: str, arr: np.ndarray) -> None:
         self._pending.append(self._pool.submit(self._write_chunk, rel, arr))
 
-    def _write_fp8_chunk(self, i: int, bits: np.ndarray) -> None:
+    def _write_scaled_chunk(self, i: int, bits: np.ndarray) -> None:
         # Quantising in the pool keeps append() as cheap as a copy, as for the lossless codecs.
-        q, scales = to_fp8(bits)
+        q, scales = encode_scaled(bits, self.codec)
         self._write_chunk(f"features/c.{i}.0.0", q)
         self._write_chunk(f"feature_scales/c.{i}.0", scales)
 
@@ -236,13 +236,16 @@ class ShardWriter:
             for name, a in small.items()
         }
         arrays["features"] = {"shape": [T, L, H], "chunk_shape": [C, L, H], "dtype": self._dtype.name}
-        if self._fp8:
+        if self._scaled:
             arrays["feature_scales"] = {"shape": [T, L], "chunk_shape": [C, L], "dtype": "float32"}
         feature_attrs = {"logical_dtype": "bfloat16", "encoding": "bf16_bits"}
         if self.codec in TRIM_BITS:
             feature_attrs["mantissa_bits"] = TRIM_BITS[self.codec]
-        if self._fp8:
+        if self.codec == "fp8":
             feature_attrs = {"logical_dtype": "bfloat16", "encoding": "fp8_e4m3_scaled", "scales": "feature_scales"}
+        elif self._scaled:
+            feature_attrs = {"logical_dtype": "bfloat16", "encoding": "int16_zigzag_times_step", "scales": "feature_scales",
+                             "step": f"median |value| of the row / {QUANT_DIVISORS[self.codec]}, or max |value| / 32767"}
         import xxhash
 
         # The documents and folder fsyncs go to the pool at once: one after another they were ~12 fsyncs in a row

@@ -22,7 +22,7 @@ def store_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-@pytest.mark.parametrize("codec", ["blosc", "none", "bf16m3"])
+@pytest.mark.parametrize("codec", ["blosc", "none", "bf16m3", "uq6"])
 def test_dry_run_projects_the_written_store_within_5_percent(conversations, tiny_qwen3, tmp_path, capsys, codec):
     out = tmp_path / "store"
     plan = run(extract_config(tiny_qwen3, conversations, out, shard_size=10, codec=codec, dry_run=True))["plan"]
@@ -52,3 +52,15 @@ def test_extract_refuses_a_store_larger_than_the_free_space_unless_forced(conver
     assert not (tmp_path / "store").exists()
     run(extract_config(tiny_qwen3, conversations, tmp_path / "store", shard_size=10, force=True))
     assert Store.open(str(tmp_path / "store")).is_complete()
+
+
+@pytest.mark.parametrize("codec", ["blosc", "fp8", "uq6"])
+def test_projected_objects_are_the_files_a_shard_commits(tmp_path, codec):
+    from dflash.extract.dry_run import _shard_objects
+    from dflash.tests.synthetic_shards import write_synthetic_shard
+
+    header = {"layer_ids": [1, 3], "hidden_size": 32, "codec": codec, "shard_plan": {"num_shards": 2}}
+    store = Store.create_or_open(str(tmp_path), header, chunk_tokens=64)
+    rec = write_synthetic_shard(store, 1, num_samples=4)
+    files = [p for p in (tmp_path / "shards/00001").rglob("*") if p.is_file()] + [tmp_path / "commits/00001.json"]
+    assert _shard_objects(rec["num_tokens"], store.header, 64) == len(files)

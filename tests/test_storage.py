@@ -79,7 +79,7 @@ def test_bf16_round_trip_is_bit_exact(lengths, seed, codec, as_tensor):
             np.testing.assert_array_equal(one[0], ids)
 
 
-@pytest.mark.parametrize("codec", ["blosc", "none", "fp8", "bf16m2", "bf16m1"])
+@pytest.mark.parametrize("codec", ["blosc", "none", "fp8", "uq6", "bf16m2", "bf16m1"])
 def test_zarr_reads_what_we_wrote(tmp_path, codec):
     import zarr
 
@@ -97,6 +97,12 @@ def test_zarr_reads_what_we_wrote(tmp_path, codec):
     if codec == "fp8":
         q = torch.from_numpy(shard["features"][:]).view(torch.float8_e4m3fn).float()
         decoded = (q * torch.from_numpy(shard["feature_scales"][:]).unsqueeze(-1)).bfloat16()
+        assert torch.equal(decoded.view(torch.int16), ours.features.view(torch.int16))
+    elif codec == "uq6":  # as its attributes say: zigzagged 16-bit integers times the row's step
+        assert shard["features"].attrs["encoding"] == "int16_zigzag_times_step"
+        z = shard["features"][:].astype(np.int64)
+        q = (z >> 1) ^ -(z & 1)
+        decoded = torch.from_numpy((q * shard["feature_scales"][:][..., None]).astype(np.float32)).bfloat16()
         assert torch.equal(decoded.view(torch.int16), ours.features.view(torch.int16))
     else:
         np.testing.assert_array_equal(shard["features"][:], bits_of(ours.features))
@@ -145,6 +151,61 @@ def test_trimmed_mantissa_codec_bounds_error_keeps_specials_and_shrinks(tmp_path
         want = trim_mantissa(ref_bits, int(codec[-1])) if codec != "blosc" else ref_bits
         np.testing.assert_array_equal(bits_of(data.sample(1)[2]), want)  # read == written, trimmed
     assert sizes["bf16m1"] < sizes["bf16m2"] < sizes["bf16m3"] < sizes["blosc"], sizes
+
+
+def test_uniform_quantizer_bounds_each_value_by_half_a_step_and_beats_fp8(tmp_path):
+    from dflash.storage.codec import ZIGZAG_MAX, to_uq, uq_to_bf16_bits
+    from dflash.tests.synthetic_shards import activation_bits
+
+    bits = activation_bits(np.random.default_rng(3), 700, 5, 512)
+    x = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
+    for divisor in (4, 6, 8):
+        z, step = to_uq(bits, divisor)
+        assert z.dtype == np.uint16 and step.shape == (700, 5)
+        mag = x.abs()
+        want = torch.maximum(mag[..., ::2].median(dim=-1).values / divisor, mag.amax(dim=-1) / ZIGZAG_MAX)
+        assert torch.allclose(torch.from_numpy(step), want)
+        back = np.empty_like(bits)
+        uq_to_bf16_bits(z, step, back)
+        y = torch.from_numpy(back.view(np.int16)).view(torch.bfloat16).float()
+        s = torch.from_numpy(step).unsqueeze(-1)
+        # Round to nearest: within half a step, plus the bf16 rounding of the decoded value.
+        assert ((y - x).abs() <= s / 2 + y.abs() / 256 + 1e-30).all()
+        q = (y / s).round()  # the stored integers, read back through the decoded values
+        assert torch.equal(q, torch.round(x * (1 / s)))
+    # A row of zeros decodes exactly; a row with NaN or inf decodes to NaN, never to plausible numbers; a row with a
+    # dynamic range past 15 bits takes the coarser step amax / 32767 and keeps its largest value.
+    rows = torch.zeros(4, 1, 64)
+    rows[1, 0, 3], rows[2, 0, 5] = float("nan"), float("inf")
+    rows[3, 0] = torch.linspace(-1, 1, 64)
+    rows[3, 0, 0] = 1e9
+    rb = rows.bfloat16().view(torch.int16).numpy().view(np.uint16)
+    z, step = to_uq(rb, 6)
+    back = np.empty_like(rb)
+    uq_to_bf16_bits(z, step, back)
+    y = torch.from_numpy(back.view(np.int16)).view(torch.bfloat16).float()
+    assert torch.equal(y[0], rows[0]) and step[0, 0] == 1
+    assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
+    assert step[3, 0] == pytest.approx(rows[3].bfloat16().float().abs().max().item() / ZIGZAG_MAX)
+    assert y[3, 0, 0].item() == pytest.approx(rows[3, 0, 0].bfloat16().item(), rel=1 / 128)
+    # Stored and read back through the store, on activation-shaped rows: fewer bytes than fp8 at no more error.
+    sizes, errors = {}, {}
+    for codec in ("fp8", "uq8", "uq6", "uq4"):
+        store = Store.create_or_open(str(tmp_path / codec), header(codec))
+        sizes[codec] = write_synthetic_shard(store, 0, num_samples=8)["bytes"]
+        data = store.read_shard(0)
+        ids, mask, ref_bits = synthetic_sample(0, 1, L, H)
+        ref = torch.from_numpy(ref_bits.view(np.int16)).view(torch.bfloat16).float()
+        got = data.sample(1)[2].float()
+        errors[codec] = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).mean().item()
+        if codec != "fp8":
+            z, step = to_uq(ref_bits, int(codec[2:]))
+            want = np.empty_like(ref_bits)
+            uq_to_bf16_bits(z, step, want)
+            np.testing.assert_array_equal(bits_of(data.sample(1)[2]), want)  # read == written, quantized
+    assert sizes["uq4"] < sizes["uq6"] < sizes["uq8"] < sizes["fp8"], sizes
+    assert errors["uq8"] < errors["uq6"] < errors["uq4"] < 0.05, errors
+    assert errors["uq8"] < errors["fp8"], errors
 
 
 def test_read_into_callers_buffer(tmp_path):

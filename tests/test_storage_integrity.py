@@ -46,7 +46,7 @@ def edit_record(path) -> None:
 DAMAGE = {"flip": flip_byte, "truncate": truncate, "delete": delete}
 
 
-@pytest.mark.parametrize("codec", ["blosc", "none", "fp8"])
+@pytest.mark.parametrize("codec", ["blosc", "none", "fp8", "uq6"])
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
 @pytest.mark.parametrize("target", ["features/c.1.0.0", "input_ids/c.0", "offsets/c.0"])
 def test_damaged_chunk_is_reported_by_path(tmp_path, codec, kind, target):
@@ -81,8 +81,9 @@ def test_flip_in_array_metadata_is_reported_by_verify(tmp_path):
     assert str(path) in store.verify(0)[0]
 
 
-def test_fp8_scales_damage_is_reported(tmp_path):
-    store = make_store(tmp_path, "fp8")
+@pytest.mark.parametrize("codec", ["fp8", "uq6"])
+def test_scales_damage_is_reported(tmp_path, codec):
+    store = make_store(tmp_path, codec)
     path = tmp_path / "shards/00000/feature_scales/c.0.0"
     flip_byte(path)
     with pytest.raises(CorruptShard, match="feature_scales/c.0.0"):

@@ -47,8 +47,9 @@ TRIM_BITS = {"bf16m3": 3, "bf16m2": 2, "bf16m1": 1}
 # scale. For a linear consumer (the drafter's first layer) an entropy-coded uniform quantizer spends its bits where
 # the error is: a float format gives the row's small values as many significant bits as its large ones. The median
 # ignores the few huge channels a hidden state carries, so the bulk of a row keeps its precision; a row whose largest
-# value would overflow 15 bits takes the finer step amax / 32767. On the SmolLM2 demo's stored answers (bench/
-# RESULTS.md, 2026-12-05): uq8 / uq6 / uq4 0.37x / 0.34x / 0.31x of raw bf16 at a relative error a row of 1.3% / 1.8%
+# value would overflow 15 bits (over 32767 steps: for uq6 5,461x the median, as the massive activations of a few
+# tokens can be) takes the coarser step amax / 32767. On the SmolLM2 demo's stored answers (bench/
+# RESULTS.md, 2026-12-05): uq8 / uq6 / uq4 0.37x / 0.34x / 0.31x of raw bf16 at a relative error a row of 1.3% / 1.7%
 # / 2.6%, where fp8 is 0.42x at 2.1% (measured as bench/codec_ab.py does).
 QUANT_DIVISORS = {"uq8": 8, "uq6": 6, "uq4": 4}
 # Codecs whose features carry a float32 scale (step) a row, in a `feature_scales` array beside them.
@@ -173,9 +174,9 @@ def fp8_to_bf16_bits(q: np.ndarray, scale: np.ndarray, dest: np.ndarray) -> None
 
 def to_uq(bits: np.ndarray, divisor: int) -> tuple[np.ndarray, np.ndarray]:
     """Return (zigzagged integers uint16 [t, L, H], float32 steps [t, L]) of bf16 bits [t, L, H]: each row divided by
-    its step (its median magnitude / divisor, or amax / 32767 if finer) and rounded to nearest; lossy by design. A zero
-    row keeps step 1 (decodes to exact zeros); a row holding NaN or inf gets step NaN (decodes to NaN, never to
-    plausible numbers)."""
+    its step (its median magnitude / divisor, or amax / 32767 where that is coarser) and rounded to nearest; lossy by
+    design. A zero row keeps step 1 (decodes to exact zeros); a row holding NaN or inf gets step NaN (decodes to NaN,
+    never to plausible numbers)."""
     import torch
 
     t, _, H = bits.shape

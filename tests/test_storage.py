@@ -188,6 +188,20 @@ def test_uniform_quantizer_bounds_each_value_by_half_a_step_and_beats_fp8(tmp_pa
     assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
     assert step[3, 0] == pytest.approx(rows[3].bfloat16().float().abs().max().item() / ZIGZAG_MAX)
     assert y[3, 0, 0].item() == pytest.approx(rows[3, 0, 0].bfloat16().item(), rel=1 / 128)
+    # A few channels hundreds of times the rest leave the bulk of a row its precision (a step from the row's RMS would
+    # be 16x coarser here). A row whose largest value is over 32767 steps (uq6: 5,461x its median magnitude, as the
+    # massive activations of a few tokens can be) takes the coarser step amax / 32767 instead, tested above.
+    g = torch.Generator().manual_seed(1)
+    heavy = torch.randn(64, 2, 1024, generator=g)
+    heavy[..., :3] *= 300
+    hb = heavy.bfloat16().view(torch.int16).numpy().view(np.uint16)
+    z, step = to_uq(hb, 6)
+    back = np.empty_like(hb)
+    uq_to_bf16_bits(z, step, back)
+    ref = heavy.bfloat16().float()
+    got = torch.from_numpy(back.view(np.int16)).view(torch.bfloat16).float()
+    bulk = ((got - ref)[..., 3:].norm(dim=-1) / ref[..., 3:].norm(dim=-1)).max().item()
+    assert bulk < 0.04, bulk
     # Stored and read back through the store, on activation-shaped rows: fewer bytes than fp8 at no more error.
     sizes, errors = {}, {}
     for codec in ("fp8", "uq8", "uq6", "uq4"):

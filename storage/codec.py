@@ -56,6 +56,8 @@ QUANT_DIVISORS = {"uq8": 8, "uq6": 6, "uq4": 4}
 SCALED_CODECS = ("fp8", *QUANT_DIVISORS)
 ZIGZAG_MAX = 32767  # |q| <= this keeps a zigzagged integer in 16 bits
 _UQ_BLOCK = 32
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_BF16_MAX = 3.3895313892515355e38  # the largest finite bfloat16
 
 # zstd level 1 with byte shuffle and 1 MiB blocks: 1.43x on real bf16 activations at ~0.7 GB/s a core.
 # Blosc's default blocksize at clevel 1 loses most of that gain (1.22x), and lz4 gains nothing (DESIGN.md).
@@ -192,7 +194,8 @@ def to_uq(bits: np.ndarray, divisor: int) -> tuple[np.ndarray, np.ndarray]:
         x = src[i : i + _UQ_BLOCK].float()
         amax = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_())  # aminmax is 20x slower on the CPU
         step = torch.maximum(x[..., ::stride].abs().median(dim=-1).values / divisor, amax / ZIGZAG_MAX)
-        step = torch.where(step > 0, step, torch.ones_like(step))
+        # A positive step stays a normal float32, so 1 / step is finite (a row of values under 1e-34 rounds to 0).
+        step = torch.where(step > 0, step.clamp_min(_F32_TINY), torch.ones_like(step))
         finite = torch.isfinite(amax)
         if not bool(finite.all()):
             x[~finite] = 0.0
@@ -219,7 +222,8 @@ def uq_to_bf16_bits(z: np.ndarray, step: np.ndarray, dest: np.ndarray) -> None:
         u = zt[i : i + _UQ_BLOCK].to(torch.int32).bitwise_and_(0xFFFF)
         sign = (u & 1).neg_()
         v = u.bitwise_right_shift_(1).bitwise_xor_(sign).float()
-        out[i : i + _UQ_BLOCK].copy_(v.mul_(st[i : i + _UQ_BLOCK].unsqueeze(-1)))
+        # Rounding to nearest may take a value near bf16's largest half a step past it: clamp it there, not to inf.
+        out[i : i + _UQ_BLOCK].copy_(v.mul_(st[i : i + _UQ_BLOCK].unsqueeze(-1)).clamp_(-_BF16_MAX, _BF16_MAX))
 
 
 def encode_scaled(bits: np.ndarray, codec: str) -> tuple[np.ndarray, np.ndarray]:

@@ -188,6 +188,18 @@ def test_uniform_quantizer_bounds_each_value_by_half_a_step_and_beats_fp8(tmp_pa
     assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
     assert step[3, 0] == pytest.approx(rows[3].bfloat16().float().abs().max().item() / ZIGZAG_MAX)
     assert y[3, 0, 0].item() == pytest.approx(rows[3, 0, 0].bfloat16().item(), rel=1 / 128)
+    # The ends of the float range: a row of values near 1e-39 (its step would be subnormal, 1 / step inf) and a row near
+    # bf16's largest (rounding up half a step must not reach inf) both stay within half a step.
+    ends = torch.tensor([[[1e-39, -2e-39, 0, 3e-39, 0, 0, 1e-39, 0]], [[3.3895e38] + [2.8e38] * 7]])
+    eb = ends.bfloat16().view(torch.int16).numpy().view(np.uint16)
+    for divisor in (4, 6, 8):
+        z, step = to_uq(eb, divisor)
+        back = np.empty_like(eb)
+        uq_to_bf16_bits(z, step, back)
+        x = ends.bfloat16().float()
+        y = torch.from_numpy(back.view(np.int16)).view(torch.bfloat16).float()
+        assert torch.isfinite(y).all(), y
+        assert ((y - x).abs() <= torch.from_numpy(step).unsqueeze(-1) / 2 + x.abs() / 128).all(), (x, y)
     # A few channels hundreds of times the rest leave the bulk of a row its precision (a step from the row's RMS would
     # be 16x coarser here). A row whose largest value is over 32767 steps (uq6: 5,461x its median magnitude, as the
     # massive activations of a few tokens can be) takes the coarser step amax / 32767 instead, tested above.

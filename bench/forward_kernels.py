@@ -134,7 +134,8 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
 def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     """Return the command's and each kernel choice's figures of one case."""
     work, folder, data = bt.prepare_case(name, CASES[name], SMOKE[name] if args.smoke else None, args)
-    cmd, _ = bt.extract_run(folder, data, work, "cpu" if args.smoke else "0", [], "")
+    flags = ["--codec", args.codec] if args.codec else []
+    cmd, _ = bt.extract_run(folder, data, work, "cpu" if args.smoke else "0", flags, "")
     said = command_figures((work / "extract.log").read_text())
     print(json.dumps({"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
                                                 **said}}), flush=True)
@@ -177,6 +178,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (check the script first)")
     ap.add_argument("--only-chosen", action="store_true", help="time only the kernels the command chose")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    ap.add_argument("--codec", default=None,
+                    help="the command's --codec (default: its own, blosc); with another --work than a run of another "
+                         "codec's: whether a shape's extraction waits on the disk (issue 44's DeepSeek-V3 cut)")
     args = ap.parse_args()
     if args.smoke:
         args.tokens = min(args.tokens, 6_000)

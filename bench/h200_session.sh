@@ -13,6 +13,8 @@
 #           that order: uq6 is the candidate for issue 41's goal; about 5.5 minutes each on an H200, and each later
 #           call continues where the last one stopped)
 #   PART 7: bench/forward_kernels.py --only-chosen on the Qwen3.6-27B shape, then `pytest -m gpu tests/test_kernels.py`
+#   PART 9: bench/forward_kernels.py --only-chosen on the DeepSeek-V3 cut with --codec uq6 (half blosc's bytes): is its
+#           extraction (0.522 of its forward with blosc) waiting on the disk? Then the same with blosc, longer
 # Any part keeps a carried .g1/part in /tmp/g1part for part 5.
 set -u
 source bench/device_env.sh || exit 1
@@ -81,7 +83,14 @@ case "${1:-1}" in
   timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider --show-capture=no --tb=short -W ignore -n 0 \
     tests/test_kernels.py > "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests exit $?" >> "$OUT/gpu.txt"
   ;;
+9)
+  timeout 200 python3 bench/forward_kernels.py --work /tmp/fk-uq6 --case deepseek_v3_cut --only-chosen --tokens 200000 \
+    --codec uq6 --out "$OUT/fk_dsv3_uq6.json" > "$OUT/fk_dsv3_uq6.txt" 2>&1; echo "fk deepseek_v3_cut uq6 exit $?" >> "$OUT/gpu.txt"
+  timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk-blosc --case deepseek_v3_cut --only-chosen \
+    --tokens 200000 --out "$OUT/fk_dsv3_blosc.json" > "$OUT/fk_dsv3_blosc.txt" 2>&1
+  echo "fk deepseek_v3_cut blosc exit $?" >> "$OUT/gpu.txt"
+  ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/bo -name '*.log' -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
+for f in $(find /tmp/boom /tmp/fk /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

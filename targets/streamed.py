@@ -54,12 +54,11 @@ def _views(flat: torch.Tensor, layer: _Layer) -> list[torch.Tensor]:
 
 
 def _pages(nbytes: int) -> torch.Tensor:
-    """Return a host buffer of nbytes that starts on a page and owns every page it touches (a view of a slightly
-    larger allocation, which it keeps alive)."""
-    size = -(-nbytes // _PAGE) * _PAGE
-    base = torch.empty(size + _PAGE, dtype=torch.uint8)
-    start = -base.data_ptr() % _PAGE
-    return base[start:start + size]
+    """Return a host buffer of whole pages holding nbytes, on pages of its own: an anonymous mapping, whose storage
+    starts on a page, so that torch's is_pinned() (which asks the driver about the storage's first byte) sees the
+    registered memory, and whose pages go back to the system when it is freed."""
+    size = max(1, -(-nbytes // _PAGE)) * _PAGE
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
 def _register(region: torch.Tensor) -> bool:
@@ -152,10 +151,18 @@ class LayerStream:
         return torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
 
     def _make_slots(self) -> None:
-        """(Re)make the device slots, each the size of the largest layer held."""
+        """(Re)make the device slots, each the size of the largest layer held (the old ones freed first: a cut that
+        keeps a layer as large keeps them)."""
         size = max((layer.nbytes for layer in self.layers if layer is not None), default=0)
+        if getattr(self, "slots", None) and all(s.numel() == size for s in self.slots):
+            return
+        self.slots = []  # never two pairs of the largest layer on the device at once
         self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(_SLOTS)]
-        if self.cuda:  # the copy stream writes them: the allocator must not hand their memory on before it is done
+        if self.cuda:
+            # The copy stream writes them: the allocator must not hand their memory on before it is done, and the
+            # first copy must come after whatever last used that memory on the stream that allocated it.
+            current = torch.cuda.current_stream(self.device)
+            self.copy_stream.wait_stream(current)
             for slot in self.slots:
                 slot.record_stream(self.copy_stream)
 
@@ -221,7 +228,9 @@ class LayerStream:
             self._release(self._running)
         if i not in self._slot_of:
             self.out_of_order += 1
-            self._fetch(i, self._free_slot(evict=True))
+            slot = self._free_slot(keep=set())
+            assert slot is not None  # no layer runs (released above): every slot can be taken
+            self._fetch(i, slot)
         slot = self._slot_of[i]
         if self.cuda:
             compute = self._running_on = torch.cuda.current_stream(self.device)
@@ -253,29 +262,30 @@ class LayerStream:
         self._prefetch(i)
 
     def _prefetch(self, i: int) -> None:
-        """Copy the layers that run after layer i (in the list's order, the first after the last) into free slots."""
-        for nxt in self._next(i):
+        """Copy the layers that run after layer i (in the list's order, the first after the last) into free slots:
+        a slot holding a layer that neither runs nor comes next (a forward that failed half-way left it) is free."""
+        wanted = self._next(i)
+        keep = {*wanted, self._running}
+        for nxt in wanted:
             if nxt in self._slot_of:
                 continue
-            slot = self._free_slot(evict=False)
+            slot = self._free_slot(keep)
             if slot is None:
                 return
             self._fetch(nxt, slot)
 
-    def _free_slot(self, evict: bool) -> int | None:
-        """Return a slot no layer holds; with evict, else the one a prefetch (not the running layer) holds."""
+    def _free_slot(self, keep: set) -> int | None:
+        """Return a slot no layer holds, else one whose layer is not in `keep` (its copy is dropped), else None."""
         held = set(self._slot_of.values())
         for s in range(_SLOTS):
             if s not in held:
                 return s
-        if not evict:
-            return None
         for layer, s in list(self._slot_of.items()):
-            if layer != self._running:
+            if layer not in keep and layer != self._running:
                 del self._slot_of[layer]
                 self._ready.pop(layer, None)
                 return s
-        raise AssertionError("every slot is held by the running layer")
+        return None
 
     def _fetch(self, i: int, slot: int) -> None:
         """Start the copy of layer i's weights into `slot` (after the slot's last user is done with it)."""
@@ -364,8 +374,8 @@ class LayerStream:
             for h in pair:
                 h.remove()
         self._hooks.clear()
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()
+        if self.cuda:  # no copy into a slot, and no forward (on whichever stream) reading one, is in flight
+            torch.cuda.synchronize(self.device)
         self._slot_of.clear()
         self._ready.clear()
         self.slots = []
@@ -408,6 +418,7 @@ def _link(device: torch.device, nbytes: int) -> float | None:
     src = _pages(nbytes)
     if not _register(src):
         return None
+    dst = None
     try:
         dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
         dst.copy_(src, non_blocking=True)  # the first copy warms the path up
@@ -423,4 +434,5 @@ def _link(device: torch.device, nbytes: int) -> float | None:
     finally:
         torch.cuda.synchronize(device)
         _unregister(src.data_ptr(), None)
+        del dst
         torch.cuda.empty_cache()  # the measurement leaves no GPU memory cached in the command's process

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+import weakref
 
 import pytest
 import torch
@@ -83,6 +84,9 @@ def test_each_layer_lives_in_one_host_buffer_of_its_bytes_and_the_device_holds_t
     pages = [(x.host.data_ptr() // mmap.PAGESIZE, (x.host.data_ptr() + x.nbytes - 1) // mmap.PAGESIZE)
              for x in stream.layers]
     assert all(x.host.data_ptr() % mmap.PAGESIZE == 0 for x in stream.layers)
+    # ...and so does its storage: torch's is_pinned() asks the driver about the storage's first byte, which must be
+    # inside the registered range on CUDA
+    assert all(x.host.untyped_storage().data_ptr() == x.host.data_ptr() for x in stream.layers)
     assert all(a[1] < b[0] for a, b in zip(sorted(pages), sorted(pages)[1:])), \
         "no two layers' buffers share a page (the driver locks whole pages, and refuses one locked twice)"
     shared = text.layers[1].mlp.up_proj.weight
@@ -121,6 +125,30 @@ def test_a_cut_list_is_followed_and_trim_lets_the_cut_layers_go():
         _equal(_states(streamed, ids), _states(whole, ids))
 
 
+def test_a_cut_never_holds_more_than_two_slots_and_keeps_them_when_the_largest_layer_stays(monkeypatch):
+    owner = torch.nn.Module()
+    owner.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(64, 64)])
+    stream = LayerStream(owner, torch.device("cpu"))
+    big = stream.slots[0].numel()
+    old = [weakref.ref(x) for x in stream.slots]
+    alive, empty = [], torch.empty
+
+    def spy(*args, **kwargs):
+        alive.append(sum(r() is not None for r in old))
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", spy)
+    owner.layers = owner.layers[:2]  # the largest layer is cut: smaller slots, made once the old ones are gone
+    assert stream.trim() == 1
+    assert alive == [0, 0] and all(x.numel() < big for x in stream.slots)
+    kept = list(stream.slots)
+    owner.layers = owner.layers[:1]  # a cut that keeps a layer as large keeps the slots
+    assert stream.trim() == 1 and all(a is b for a, b in zip(stream.slots, kept)) and alive == [0, 0]
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(owner.layers[0](x), x @ owner.layers[0].weight.T + owner.layers[0].bias)
+
+
 def test_a_forward_that_failed_inside_a_layer_leaves_the_next_one_exact():
     whole = _model()
     streamed = copy.deepcopy(whole)
@@ -135,7 +163,17 @@ def test_a_forward_that_failed_inside_a_layer_leaves_the_next_one_exact():
     with pytest.raises(RuntimeError, match="simulated"):
         _states(streamed, ids)
     hook.remove()
+    # The retry's copies still run a layer ahead: the failed forward left a layer that does not come next in a slot,
+    # which counts as free, so each layer's copy starts before the layer ahead of it gives its slot back.
+    events = []
+    fetch, release = stream._fetch, stream._release
+    stream._fetch = lambda i, slot: (events.append(("fetch", i)), fetch(i, slot))[1]
+    stream._release = lambda i: (events.append(("release", i)), release(i))[1]
     _equal(_states(streamed, ids), _states(whole, ids))
+    del stream._fetch, stream._release
+    events = events[events.index(("fetch", 0)):]  # the retry proper (before it: the failed layer given back)
+    for i in range(1, 5):
+        assert events.index(("fetch", i)) < events.index(("release", i - 1)), (i, events)
     # layers called on their own, out of order, still get their own weights
     h = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(4))
     pos = torch.arange(5)[None]
@@ -165,6 +203,34 @@ def test_the_kernel_choice_s_float32_reference_runs_through_the_stream():
     assert all(x.dtype == torch.float32 and torch.equal(x, y) for x, y in zip(got, want))
     bf16 = kernels.model_states(whole, ids, 4, [40, 23])
     assert not all(torch.equal(x.float(), y) for x, y in zip(bf16, want)), "the reference did run in float32"
+    for layer in stream.layers:
+        lo, hi = layer.host.data_ptr(), layer.host.data_ptr() + layer.nbytes
+        assert all(p.dtype == torch.bfloat16 and lo <= p.data_ptr() < hi for p, *_ in layer.params)
+
+
+def test_a_float32_reference_out_of_memory_inside_a_streamed_layer_falls_back_and_leaves_the_stream_exact(caplog):
+    # On the GPU a streamed layer's float32 copy sits beside the two slots; a layer too large for that runs out of
+    # memory inside the reference's forward, after the stream bound its weights and the upcast began.
+    from dflash.targets import kernels
+
+    whole = _model(layers=4, dtype=torch.bfloat16)
+    streamed = copy.deepcopy(whole)
+    text = text_model(streamed)
+    stream = stream_layers(streamed, text, torch.device("cpu"))
+
+    def oom(module, args):
+        if module.weight.dtype == torch.float32:
+            raise RuntimeError("out of memory (simulated)")
+
+    hook = text.layers[2].mlp.down_proj.register_forward_pre_hook(oom)
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(7))
+    with caplog.at_level("WARNING", logger="dflash.targets.kernels"):
+        chosen, _ = kernels.choose(streamed, text, ids, [40, 23], [0, 2], ["full_attention"] * 4, "bfloat16")
+    hook.remove()
+    assert any("the eager float32 reference cannot run here" in r.getMessage() for r in caplog.records)
+    kernels.apply(whole, chosen)
+    for _ in range(2):
+        _equal(_states(streamed, ids), _states(whole, ids))
     for layer in stream.layers:
         lo, hi = layer.host.data_ptr(), layer.host.data_ptr() + layer.nbytes
         assert all(p.dtype == torch.bfloat16 and lo <= p.data_ptr() < hi for p, *_ in layer.params)

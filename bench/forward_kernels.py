@@ -33,6 +33,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -85,7 +86,25 @@ def command_figures(log: str) -> dict:
             "mfu": float(mfu.group(1)) / 100 if mfu else None, "flop_a_token": per.group(1) if per else None}
 
 
-def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.device, only: str | None = None) -> list[dict]:
+def trace_forward(runner: Any, ids: torch.Tensor, device: torch.device, label: str) -> None:
+    """Print torch.profiler's table of one warm forward of a batch: where the forward's time goes, by kernel (the
+    self time on the device, on a GPU; on the CPU, its own), the 25 costliest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        runner.hidden(ids.to(device, non_blocking=True))
+        _sync(device)
+    table = prof.key_averages()
+    key = "self_cpu_time_total"
+    if cuda:
+        key = "self_device_time_total" if hasattr(table[0], "self_device_time_total") else "self_cuda_time_total"
+    print(f"# one warm forward of {ids.shape[0]} x {ids.shape[1]} tokens under torch.profiler ({label}), by {key}:\n"
+          + table.table(sort_by=key, row_limit=25), flush=True)
+
+
+def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.device, only: str | None = None,
+                       trace: bool = False) -> list[dict]:
     """Return, per kernel choice dflash would try for this target (targets/kernels.candidates), the truncated
     forward's cold and warm tok/s over the command's batches, its TFLOP/s and MFU (warm)."""
     from dflash.extract.perf import device_peak
@@ -113,6 +132,8 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
                     runner.hidden(ids.to(device, non_blocking=True))
                 _sync(device)
                 row[f"{name_}_tok_s"] = round(tokens / (time.perf_counter() - t0))
+            if trace:
+                trace_forward(runner, batches[0][0], device, str(k))
         except Exception as e:  # noqa: BLE001 - out of memory (batched experts), a kernel this machine lacks
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             if device.type == "cuda":
@@ -139,7 +160,8 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     said = command_figures((work / "extract.log").read_text())
     print(json.dumps({"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
                                                 **said}}), flush=True)
-    forwards = forward_by_kernels(folder, data, work / "store", device, said["kernels"] if args.only_chosen else None)
+    forwards = forward_by_kernels(folder, data, work / "store", device, said["kernels"] if args.only_chosen else None,
+                                  trace=args.trace)
     done = [f for f in forwards if "warm_tok_s" in f]
     best = max(done, key=lambda f: f["warm_tok_s"]) if done else None
     out = {"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
@@ -178,6 +200,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (check the script first)")
     ap.add_argument("--only-chosen", action="store_true", help="time only the kernels the command chose")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    ap.add_argument("--trace", action="store_true",
+                    help="after each kernel choice's warm pass, one more forward under torch.profiler: its costliest "
+                         "kernels (where an MoE forward's time goes)")
     ap.add_argument("--codec", default=None,
                     help="the command's --codec (default: its own, blosc); with another --work than a run of another "
                          "codec's: whether a shape's extraction waits on the disk (issue 44's DeepSeek-V3 cut)")

@@ -13,8 +13,9 @@
 #           that order: uq6 is the candidate for issue 41's goal; about 5.5 minutes each on an H200, and each later
 #           call continues where the last one stopped)
 #   PART 7: bench/forward_kernels.py --only-chosen on the Qwen3.6-27B shape, then `pytest -m gpu tests/test_kernels.py`
-#   PART 9: bench/forward_kernels.py --only-chosen on the DeepSeek-V3 cut with --codec uq6 (half blosc's bytes): is its
-#           extraction (0.522 of its forward with blosc) waiting on the disk? Then the same with blosc, longer
+#   PART 9: issue 44's MoE gaps: the Qwen3-30B-A3B shape's forward (15% MFU) under torch.profiler (--trace: where its
+#           time goes), then the DeepSeek-V3 cut with --codec uq6 (half blosc's bytes) and with blosc: is its
+#           extraction (0.522 of its forward with blosc) waiting on the disk?
 # Any part keeps a carried .g1/part in /tmp/g1part for part 5.
 set -u
 source bench/device_env.sh || exit 1
@@ -84,7 +85,10 @@ case "${1:-1}" in
     tests/test_kernels.py > "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests exit $?" >> "$OUT/gpu.txt"
   ;;
 9)
-  timeout 200 python3 bench/forward_kernels.py --work /tmp/fk-uq6 --case deepseek_v3_cut --only-chosen --tokens 200000 \
+  timeout 200 python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 100000 \
+    --trace --out "$OUT/fk_qwen3_moe_trace.json" > "$OUT/fk_qwen3_moe_trace.txt" 2>&1
+  echo "fk qwen3_30b_a3b trace exit $?" >> "$OUT/gpu.txt"
+  timeout 180 python3 bench/forward_kernels.py --work /tmp/fk-uq6 --case deepseek_v3_cut --only-chosen --tokens 200000 \
     --codec uq6 --out "$OUT/fk_dsv3_uq6.json" > "$OUT/fk_dsv3_uq6.txt" 2>&1; echo "fk deepseek_v3_cut uq6 exit $?" >> "$OUT/gpu.txt"
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk-blosc --case deepseek_v3_cut --only-chosen \
     --tokens 200000 --out "$OUT/fk_dsv3_blosc.json" > "$OUT/fk_dsv3_blosc.txt" 2>&1

@@ -15,7 +15,8 @@ __all__ = ["CODECS", "OFFLOADS", "parse_shard_weights", "DRAFTERS", "DTYPES", "D
            "drafter_option", "tree_tau_nodes_option", "cache_dir_option", "cache_gb_option", "check", "check_cache",
            "check_budgets", "check_model_dir", "flag_name"]
 
-CODECS = ("blosc", "none", "fp8", "uq8", "uq6", "uq4", "bf16m3", "bf16m2", "bf16m1")  # storage/codec.py's, here without importing storage
+# storage/codec.py's, here without importing storage
+CODECS = ("blosc", "none", "fp8", "uq8", "uq6", "uq4", "bf16m3", "bf16m2", "bf16m1")
 OFFLOADS = ("none", "cpu")
 DRAFTERS = ("dflash", "dflash2")
 DTYPES = ("bfloat16", "float32")

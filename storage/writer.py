@@ -14,7 +14,8 @@ import numpy as np
 from ..errors import StoreError
 from . import claims
 from .fs import StoreFS
-from .codec import QUANT_DIVISORS, SCALED_CODECS, TRIM_BITS, array_metadata, encode_chunk, encode_scaled, feature_dtype, trim_mantissa
+from .codec import (QUANT_DIVISORS, SCALED_CODECS, TRIM_BITS, array_metadata, encode_chunk, encode_scaled,
+                    feature_dtype, trim_mantissa)
 from .layout import FORMAT_VERSION, commit_path, dumps, group_metadata, header_digest, record_digest, shard_dir
 
 __all__ = ["ShardWriter", "features_to_bits"]
@@ -244,7 +245,8 @@ class ShardWriter:
         if self.codec == "fp8":
             feature_attrs = {"logical_dtype": "bfloat16", "encoding": "fp8_e4m3_scaled", "scales": "feature_scales"}
         elif self._scaled:
-            feature_attrs = {"logical_dtype": "bfloat16", "encoding": "int16_zigzag_times_step", "scales": "feature_scales",
+            feature_attrs = {"logical_dtype": "bfloat16", "encoding": "int16_zigzag_times_step",
+                             "scales": "feature_scales",
                              "step": f"median |value| of the row / {QUANT_DIVISORS[self.codec]}, or max |value| / 32767"}
         import xxhash
 

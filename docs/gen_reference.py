@@ -43,7 +43,7 @@ FIXES: dict[str, tuple[str, str]] = {
         "A feature store that cannot be opened, written or trusted: a disk that is full or read-only, a folder that "
         "is not a store, a store whose projected size exceeds the free space.",
         "Free space or pick a writable `--out`, then rerun the same command: committed shards are kept. Over the "
-        "free space: `--codec fp8` (lossy, measured) or `--force`.",
+        "free space: `--codec fp8` or `uq6` (lossy, measured) or `--force`.",
     ),
     "StoreUnavailable": (
         "A store URL that cannot be reached at all: an S3 bucket that does not exist, credentials the server "

@@ -46,6 +46,8 @@ CODEC_RATIO = {"blosc": 0.70, "none": 1.0, "fp8": 0.43, "uq8": 0.37, "uq6": 0.35
 # What fp8 features cost a drafter, measured (bench/RESULTS.md, "fp8's price", bench/fp8_price.py): the CPU demo's
 # drafter trained from its blosc store and from an fp8 store of the same data, scored on the same held-out prompts.
 FP8_PRICE = "on the CPU demo's drafter held-out tau_hat 1.248 -> 1.254 and measured tau 1.233 -> 1.231"
+# The same for uq6, its fewer bytes at fp8's error (bench/RESULTS.md, "A new candidate, uq", bench/codec_ab.py).
+UQ6_PRICE = "on the CPU demo's drafter held-out tau_hat 1.184 -> 1.178 and measured tau 1.260 -> 1.273"
 
 
 @dataclass(frozen=True)
@@ -244,8 +246,9 @@ def _read_only(path: str | None) -> bool:
 
 
 def fp8_advice() -> str:
-    """Return the suggestion of --codec fp8 with what it saves and what it was measured to cost."""
-    return f"--codec fp8 (about {CODEC_RATIO['fp8']:.2f}x of raw bf16; {FP8_PRICE})"
+    """Return the suggestion of the lossy codecs, fp8 and uq6, with what each saves and was measured to cost."""
+    return (f"--codec fp8 (about {CODEC_RATIO['fp8']:.2f}x of raw bf16; {FP8_PRICE}) or --codec uq6 (about "
+            f"{CODEC_RATIO['uq6']:.2f}x; {UQ6_PRICE})")
 
 
 def format_bytes(n: float | None) -> str:

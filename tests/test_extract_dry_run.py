@@ -45,9 +45,10 @@ def test_extract_refuses_a_store_larger_than_the_free_space_unless_forced(conver
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     cfg = extract_config(tiny_qwen3, conversations, tmp_path / "store", shard_size=10)
-    # The way out it suggests says what fp8 saves and what it was measured to cost the drafter.
+    # The way out it suggests says what fp8 and uq6 save and what they were measured to cost the drafter.
     with pytest.raises(StoreError, match=r"needs .* more but .* has 1.00 KB free; pass --codec fp8 \(about 0.43x of "
-                                         r"raw bf16; .*held-out tau_hat .* measured tau .*--force"):
+                                         r"raw bf16; .*held-out tau_hat .* measured tau .*\) or --codec uq6 \(about "
+                                         r"0.35x; .*held-out tau_hat .* measured tau .*--force"):
         run(cfg)
     assert not (tmp_path / "store").exists()
     run(extract_config(tiny_qwen3, conversations, tmp_path / "store", shard_size=10, force=True))

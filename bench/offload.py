@@ -121,6 +121,60 @@ def child(argv: list[str]) -> None:
     main(argv)
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    total, j = 0.0, 0
+    for a, b in x:
+        while j < len(y) and y[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(y) and y[k][0] < b:
+            total += max(0.0, min(b, y[k][1]) - max(a, y[k][0]))
+            k += 1
+    return total
+
+
+def overlap_of(copies: list[tuple[float, float]], compute: list[tuple[float, float]]) -> dict:
+    """Return, in ms, how the device spent a profiled forward: compute kernels busy, host-to-device copies, the copy
+    time that ran beside compute, and the device's idle gaps (neither) with the largest of them."""
+    cu, co = _union(compute), _union(copies)
+    busy = _union(cu + co)
+    gaps = [b2[0] - b1[1] for b1, b2 in zip(busy, busy[1:])]
+    return {"compute_ms": round(_length(cu) / 1e3, 1), "h2d_ms": round(_length(co) / 1e3, 1),
+            "h2d_beside_compute_ms": round(_intersect(co, cu) / 1e3, 1),
+            "span_ms": round((busy[-1][1] - busy[0][0]) / 1e3, 1) if busy else 0.0,
+            "idle_ms": round(sum(gaps) / 1e3, 1), "largest_idle_ms": [round(g / 1e3, 1) for g in sorted(gaps)[-5:]],
+            "h2d_copies": len(copies)}
+
+
+def device_overlap(events: list) -> dict:
+    """overlap_of the device events of a torch.profiler run (microseconds): memcpy HtoD against every kernel."""
+    copies, compute = [], []
+    for e in events:
+        if str(getattr(e, "device_type", "")).endswith("CUDA") is False:
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        name = e.name.lower()
+        if "memcpy" in name and "htod" in name.replace(" ", "").replace("_", ""):
+            copies.append(span)
+        elif "memcpy" not in name and "memset" not in name:
+            compute.append(span)
+    return overlap_of(copies, compute)
+
+
 def profile_third_forward(runner: type) -> None:
     """Have the runner's third forward run under torch.profiler and print where its time went: the CUDA kernels'
     and copies' totals (host-to-device copies are the offloaded weights) beside the forward's wall time."""
@@ -146,6 +200,10 @@ def profile_third_forward(runner: type) -> None:
             table = f"(no table: {type(e).__name__}: {e})"
         print(f"BENCH profiled forward: {input_ids.numel():,} tokens in {wall:.2f} s\n{table}", file=sys.stderr,
               flush=True)
+        try:
+            print("BENCH overlap " + json.dumps(device_overlap(prof.events())), file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"BENCH overlap not measured: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return out
 
     runner.hidden = hidden
@@ -163,7 +221,9 @@ def run_case(name: str, args: argparse.Namespace) -> dict:
     gpus = "cpu" if args.smoke else "0"
     out: dict = {"case": name}
     for tag, flags in RUNS:
-        if tag == "resident_64k" and not args.smoke:  # the offloaded run's own batch (65,536 unless it grew)
+        if tag not in args.runs.split(","):
+            continue
+        if tag == "resident_64k" and not args.smoke and "offloaded" in out:  # the offloaded run's own batch (65,536 unless it grew)
             chosen = re.search(r"batches of ([\d,]+) tokens", out["offloaded"]["placement"] or "")
             flags = [*flags[:-1], chosen.group(1).replace(",", "") if chosen else flags[-1]]
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -178,16 +238,17 @@ def run_case(name: str, args: argparse.Namespace) -> dict:
         out[tag] = {"steady_tok_s": cmd["steady_tok_s"], "forward_side_tok_s": cmd["forward_side_tok_s"],
                     "tokens": cmd["tokens"], "wall_s": round(cmd["wall_s"], 1), "load_s": cmd["load_s"],
                     "first_commit_s": cmd["first_commit_s"], "writer": cmd["writer"],
-                    "timeline": cmd["timeline_line"], "bench_lines": re.findall(r"^BENCH (?:host|h2d).*$", text, re.M),
+                    "timeline": cmd["timeline_line"], "bench_lines": re.findall(r"^BENCH (?:host|h2d|overlap|profiled).*$", text, re.M),
                     "streamed": (re.findall(r"weights streamed from .*$", text, re.M) or [None])[-1],
                     "gpu_peak_gb": round(int(peak.group(1)) / 1e9, 1) if peak else None,
                     "host_peak_rss_gb": round(rss * 1024 / 1e9, 1) if rss > before else "<= an earlier run's",
                     "placement": weights.group(0).split("weights: ", 1)[1] if weights else None}
         print(json.dumps({tag: out[tag]}), flush=True)
-    res = out["resident"]["steady_tok_s"]
-    out["offloaded_over_resident"] = round(out["offloaded"]["steady_tok_s"] / res, 3)
-    out["offloaded_over_resident_same_batch"] = round(
-        out["offloaded"]["steady_tok_s"] / out["resident_64k"]["steady_tok_s"], 3)
+    if {"resident", "offloaded", "resident_64k"} <= out.keys():
+        res = out["resident"]["steady_tok_s"]
+        out["offloaded_over_resident"] = round(out["offloaded"]["steady_tok_s"] / res, 3)
+        out["offloaded_over_resident_same_batch"] = round(
+            out["offloaded"]["steady_tok_s"] / out["resident_64k"]["steady_tok_s"], 3)
     return out
 
 
@@ -212,6 +273,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=600_000, help="tokens of conversations per case")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (check the script first)")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    ap.add_argument("--runs", default="resident,offloaded,resident_64k",
+                    help="which of the runs (a diagnosis of the offloaded one alone: --runs offloaded --trace)")
     ap.add_argument("--trace", action="store_true",
                     help="offloaded: run the command's third forward under torch.profiler (costs that forward time)")
     args = ap.parse_args()
@@ -221,7 +284,7 @@ def main() -> None:
         args.tokens = min(args.tokens, 20_000)
         RUNS[2][1][-1] = "4096"  # a CPU's tiny target: the same-batch run at a batch it takes in seconds
     results = [run_case(name, args) for name in args.case.split(",")]
-    for r in results:
+    for r in (r for r in results if "offloaded_over_resident" in r):
         print(f"{r['case']}: resident {r['resident']['steady_tok_s']:,.0f} tok/s "
               f"(GPU {r['resident']['gpu_peak_gb']} GB), offloaded {r['offloaded']['steady_tok_s']:,.0f} tok/s "
               f"(GPU {r['offloaded']['gpu_peak_gb']} GB, host RSS {r['offloaded']['host_peak_rss_gb']} GB): "

@@ -16,6 +16,9 @@
 #   PART 9: issue 44's MoE gaps: the Qwen3-30B-A3B shape's forward (15% MFU) under torch.profiler (--trace: where its
 #           time goes), then the DeepSeek-V3 cut with --codec uq6 (half blosc's bytes) and with blosc: is its
 #           extraction (0.522 of its forward with blosc) waiting on the disk?
+#   PART 10: diagnoses, one call: the Qwen3-32B shape's offloaded run alone with its third forward under torch.profiler
+#           (bench/offload.py --trace: compute, host-to-device copies, copies beside compute, idle gaps: where issue 40's
+#           0.8 of resident goes), then part 9's MoE trace (issue 44)
 # Any part keeps a carried .g1/part in /tmp/g1part for part 5.
 set -u
 source bench/device_env.sh || exit 1
@@ -93,6 +96,14 @@ case "${1:-1}" in
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk-blosc --case deepseek_v3_cut --only-chosen \
     --tokens 200000 --out "$OUT/fk_dsv3_blosc.json" > "$OUT/fk_dsv3_blosc.txt" 2>&1
   echo "fk deepseek_v3_cut blosc exit $?" >> "$OUT/gpu.txt"
+  ;;
+10)
+  timeout 330 python3 bench/offload.py --work /tmp/bo --case qwen3_32b --tokens 200000 --runs offloaded --trace \
+    --out "$OUT/offload_trace.json" > "$OUT/offload_trace.txt" 2>&1; echo "offload trace exit $?" >> "$OUT/gpu.txt"
+  for f in /tmp/bo/*/timeline-*.json; do cp "$f" "$OUT/$(basename "$(dirname "$f")")-$(basename "$f")"; done
+  timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 100000 \
+    --trace --out "$OUT/fk_qwen3_moe_trace.json" > "$OUT/fk_qwen3_moe_trace.txt" 2>&1
+  echo "fk qwen3_30b_a3b trace exit $?" >> "$OUT/gpu.txt"
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

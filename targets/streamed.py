@@ -181,6 +181,15 @@ class LayerStream:
         region = _pages(off)
         host = region[:off]
         layer = _Layer(m, host, params)
+        if self.cuda and off and self.pinned:
+            # Fault the fresh pages in on every intra-op thread first (one thread faulting a page at a time, inside
+            # the copy or the driver's locking, ran at about 1 GB/s), then lock them, so the copy below writes
+            # memory that is resident and, from a GPU, lands at the page-locked rate.
+            region.zero_()
+            if _register(region):
+                weakref.finalize(layer, _unregister, region.data_ptr(), self.copy_stream)
+            else:  # one refusal is enough: the rest would be refused the same way
+                self.pinned = False
         for (p, *_), view in zip(params, _views(host, layer)):
             view.copy_(p.data)
             p.data = view  # the loaded tensor is freed here: one copy of the layer in host memory at any time
@@ -192,11 +201,6 @@ class LayerStream:
             for leaf, b in list(sub._buffers.items()):
                 if b is not None:
                     sub._buffers[leaf] = b.to(self.device)
-        if self.cuda and off:
-            if self.pinned and _register(region):
-                weakref.finalize(layer, _unregister, region.data_ptr(), self.copy_stream)
-            else:  # one refusal is enough: the rest would be refused the same way
-                self.pinned = False
         return layer
 
     @property

@@ -16,7 +16,7 @@
 #   PART 9: issue 44's MoE gaps: the Qwen3-30B-A3B shape's forward (15% MFU) under torch.profiler (--trace: where its
 #           time goes), then the DeepSeek-V3 cut with --codec uq6 (half blosc's bytes) and with blosc: is its
 #           extraction (0.522 of its forward with blosc) waiting on the disk?
-#   PART 10: diagnoses, one call: the Qwen3-32B shape's offloaded run alone with its third forward under torch.profiler
+#   PART 10: diagnoses, one call: the Qwen3-32B shape's offloaded run alone with its second batch forward under torch.profiler
 #           (bench/offload.py --trace: compute, host-to-device copies, copies beside compute, idle gaps: where issue 40's
 #           0.8 of resident goes), then part 9's MoE trace (issue 44)
 # Any part keeps a carried .g1/part in /tmp/g1part for part 5.

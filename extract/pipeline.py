@@ -157,8 +157,12 @@ class FeaturePipeline:
         timeline: Any = None,
         profile: bool = False,
         buffers: HostBuffers | None = None,
+        floor_tokens: int = 0,
     ) -> None:
         self.runner = runner
+        # The tokens a forward costs at least (plan.pack_batches): a sharded or offloaded target's weights cross to
+        # the device once a forward, so its small batches are packed into larger ones.
+        self.floor_tokens = floor_tokens
         # The worker's Timeline (extract/timeline.py): pack, forward and buffer waits per shard on this thread,
         # the copy and the hand-over to the sink on the writer's. profile: also time the device, with CUDA events
         # around each forward and copy that the writer reads once the copy is done: no synchronize, so a
@@ -233,7 +237,7 @@ class FeaturePipeline:
         self._ensure_writer()
         with self._stage("pack", shard):
             lengths = [len(s.input_ids) for s in samples]
-            batches = pack_batches(lengths, self.batch_tokens) if samples else []
+            batches = pack_batches(lengths, self.batch_tokens, floor_tokens=self.floor_tokens) if samples else []
         for idx in batches:
             for batch, ids, lens, feats, start, end in self._forwards([samples[i] for i in idx], shard):
                 stats.padded_tokens += ids.numel()

@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import ConfigError, InputError
 from .plan import format_bytes
 
-__all__ = ["is_sharded", "target_size", "RESIDENT_BATCH_TOKENS", "SHARDED_BATCH_TOKENS", "GPU_USABLE", "HOST_USABLE", "Placement", "TargetSize",
+__all__ = ["batch_floor", "is_sharded", "target_size", "RESIDENT_BATCH_TOKENS", "SHARDED_BATCH_TOKENS", "GPU_USABLE", "HOST_USABLE", "Placement", "TargetSize",
            "activation_bytes", "decide", "placement_of"]
 
 # The batch of a target whose weights stay on the GPU, and of one whose weights are streamed in layer by layer:
@@ -28,6 +28,13 @@ HOST_USABLE = 0.8
 STREAM_MFU = 0.5
 STREAM_MARGIN = 1.25
 MAX_STREAMED_BATCH = 8 * SHARDED_BATCH_TOKENS
+# A forward of a sharded or offloaded target costs at least this share of its batch, whatever the batch holds: its
+# weights cross to the device once a forward (all-gathered from peers, or copied from host memory, hidden behind the
+# compute only where a layer computes longer than it copies: about 11K tokens on an H100's PCIe 5 link at half its
+# peak, bench/RESULTS.md). Packing a shard's samples into batches counts it (plan.pack_batches), so they go in
+# fewer, fuller forwards: without it a 400K-token shard went in 49 forwards of 5-12K tokens, each a whole pass of the
+# weights, and the offloaded Qwen3-32B shape ran at 0.80 of resident.
+SHARDED_BATCH_FLOOR = 0.25
 # A batch grown past the default counts its activations this many times over: the estimate below is rough (MoE
 # routing buffers exceed it), and a batch too large for the GPU is split only where no peer waits in its forward.
 _GROWN_ACTIVATIONS = 1.5
@@ -212,6 +219,15 @@ def placement_of(cfg: Any, size: TargetSize | None, *, free: int | None, host_fr
     return decide(asked, cfg.offload == "cpu", size, free=free, host_free=host_free, local_world=local_world,
                   world=world, batch_tokens=cfg.batch_tokens, on_gpu=on_gpu, where=f"--model {cfg.model}", link=link,
                   device_flops=device_flops)
+
+
+def batch_floor(cfg: Any) -> int:
+    """Return the tokens a forward of an ExtractConfig's target counts at least when its samples are packed into
+    batches: SHARDED_BATCH_FLOOR of --batch-tokens for a sharded or offloaded target (its weights cross once a
+    forward), else 0."""
+    if not is_sharded(cfg) or cfg.batch_tokens is None:
+        return 0
+    return int(cfg.batch_tokens * SHARDED_BATCH_FLOOR)
 
 
 def is_sharded(cfg: Any) -> bool:

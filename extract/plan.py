@@ -193,13 +193,17 @@ def claim_order(num_shards: int, committed: Iterable[int], worker: int) -> list[
     return todo[k:] + todo[:k]
 
 
-def pack_batches(lengths: list[int], batch_tokens: int, overhead_tokens: int = BATCH_OVERHEAD_TOKENS) -> list[list[int]]:
+def pack_batches(lengths: list[int], batch_tokens: int, overhead_tokens: int = BATCH_OVERHEAD_TOKENS,
+                 floor_tokens: int = 0) -> list[list[int]]:
     """Return batches of sample indices, longest first, each with len(batch) * longest <= batch_tokens.
 
-    A batch is right-padded to its longest sample, so it costs len * longest token slots plus a fixed overhead
-    (kernel launches, small-matmul inefficiency) worth `overhead_tokens`. Over the samples sorted by length (ties by
-    index, so the plan is deterministic) an exact dynamic programme picks the cuts of least total cost: a shard
-    holds too few samples for greedy filling to keep padding small (30% on 33 samples), while this stays near 1%.
+    A batch is right-padded to its longest sample, so it costs len * longest token slots, or floor_tokens where that
+    is more, plus a fixed overhead (kernel launches, small-matmul inefficiency) worth `overhead_tokens`. The floor is
+    what a forward costs whatever its size: a target whose weights cross to the device once a forward (streamed from
+    host memory, gathered from peers) pays that pass on every batch, so its small batches cost as much as large
+    ones. Over the samples sorted by length (ties by index, so the plan is deterministic) an exact dynamic programme
+    picks the cuts of least total cost: a shard holds too few samples for greedy filling to keep padding small (30%
+    on 33 samples), while this stays near 1%.
     """
     if any(n < 1 for n in lengths):
         raise ValueError("every sample needs at least one token")
@@ -214,7 +218,7 @@ def pack_batches(lengths: list[int], batch_tokens: int, overhead_tokens: int = B
         top = ls[i]  # the longest of any batch starting at i
         cost_i, cut_i = None, i + 1
         for j in range(i + 1, min(n, i + batch_tokens // top) + 1):
-            c = (j - i) * top + overhead_tokens + best[j]
+            c = max((j - i) * top, floor_tokens) + overhead_tokens + best[j]
             if cost_i is None or c < cost_i:
                 cost_i, cut_i = c, j
         best[i], cut[i] = cost_i, cut_i

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import ClaimLost, InputError, StoreError
 from ..conversations import BadRowLog, Row
-from .placement import is_sharded
+from .placement import batch_floor, is_sharded
 from .plan import claim_order
 
 if TYPE_CHECKING:
@@ -201,7 +201,7 @@ def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, 
             runner = feature_runner(cfg, header, model)
     with stage("host_buffers"):  # waiting for the pinned host buffers features are copied into
         return FeaturePipeline(runner, cfg.batch_tokens, pad_id=pad_id, on_batch=on_batch, timeline=timeline,
-                               profile=profile, buffers=buffers)
+                               profile=profile, buffers=buffers, floor_tokens=batch_floor(cfg))
 
 
 def open_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str,

@@ -19,6 +19,8 @@
 #   PART 10: diagnoses, one call: the Qwen3-32B shape's offloaded run alone with its second batch forward under torch.profiler
 #           (bench/offload.py --trace: compute, host-to-device copies, copies beside compute, idle gaps: where issue 40's
 #           0.8 of resident goes), then part 9's MoE trace (issue 44)
+#   PART 11: issue 40 in one call: the streamed GPU tests, then bench/offload.py resident and offloaded (no same-batch
+#           run) on the Qwen3-32B shape (250K tokens), then on the Qwen3.6-27B shape (200K tokens) in the time left
 # Any part keeps a carried .g1/part in /tmp/g1part for part 5.
 set -u
 source bench/device_env.sh || exit 1
@@ -104,6 +106,16 @@ case "${1:-1}" in
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 100000 \
     --trace --out "$OUT/fk_qwen3_moe_trace.json" > "$OUT/fk_qwen3_moe_trace.txt" 2>&1
   echo "fk qwen3_30b_a3b trace exit $?" >> "$OUT/gpu.txt"
+  ;;
+11)
+  timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_streamed.py tests/test_extract_sharded.py \
+    > "$OUT/gpu_streamed.txt" 2>&1
+  echo "streamed gpu test exit $?" >> "$OUT/gpu.txt"
+  timeout 300 python3 bench/offload.py --work /tmp/bo --case qwen3_32b --tokens 250000 --runs resident,offloaded \
+    > "$OUT/offload.txt" 2>&1; echo "offload exit $?" >> "$OUT/gpu.txt"
+  timeout "$(left)" python3 bench/offload.py --work /tmp/bo --case qwen36_27b --tokens 200000 --runs resident,offloaded \
+    > "$OUT/offload27.txt" 2>&1; echo "offload27 exit $?" >> "$OUT/gpu.txt"
+  # at most 8 files come back: these 4 and the 4 runs' logs (below); the timelines' totals are in the logs
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

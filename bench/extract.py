@@ -340,9 +340,11 @@ def run_command(model: Path, data: Path, store: Path, gpus: str, flags: list[str
             "forward_side_tok_s": forward, "page_cache_dropped": dropped}
 
 
-def command_batches(model_dir: Path, data: Path, store: Path, device: torch.device) -> tuple[dict, list]:
+def command_batches(model_dir: Path, data: Path, store: Path, device: torch.device,
+                    floor_tokens: int = 0) -> tuple[dict, list]:
     """Return (the store's header, the padded batches [(ids, lengths)] the command ran): its shard plan and its
-    packing at the default settings, from the data and the store it wrote."""
+    packing at the default settings, from the data and the store it wrote (floor_tokens: packed as a forward that
+    costs at least that many tokens, plan.pack_batches; 0 as the command packs a resident target)."""
     from transformers import AutoTokenizer
 
     from dflash.config import ExtractConfig
@@ -367,7 +369,8 @@ def command_batches(model_dir: Path, data: Path, store: Path, device: torch.devi
     for s in range(plan.num_shards):
         samples, _ = prepare_shard(plan.shard_rows(s)[2], encoder, cfg.min_loss_tokens, False)
         lengths = [len(s.input_ids) for s in samples]
-        batches += [pad_batch([samples[i].input_ids for i in idx], 0) for idx in pack_batches(lengths, batch_tokens)]
+        batches += [pad_batch([samples[i].input_ids for i in idx], 0)
+                    for idx in pack_batches(lengths, batch_tokens, floor_tokens=floor_tokens)]
     return header, batches
 
 

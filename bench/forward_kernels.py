@@ -104,24 +104,30 @@ def trace_forward(runner: Any, ids: torch.Tensor, device: torch.device, label: s
 
 
 def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.device, only: str | None = None,
-                       trace: bool = False) -> list[dict]:
-    """Return, per kernel choice dflash would try for this target (targets/kernels.candidates), the truncated
-    forward's cold and warm tok/s over the command's batches, its TFLOP/s and MFU (warm)."""
+                       trace: bool = False, floors: tuple[int, ...] = (0,)) -> list[dict]:
+    """Return, per kernel choice dflash would try for this target (targets/kernels.candidates) and per packing floor
+    (plan.pack_batches: 0 packs as the command does for a resident target, larger ones into fewer, fuller
+    forwards), the truncated forward's cold and warm tok/s over those batches, its TFLOP/s and MFU (warm)."""
     from dflash.extract.perf import device_peak
     from dflash.targets import kernels
     from dflash.targets.runner import TargetRunner
 
-    header, batches = bx.command_batches(folder, data, store, device)
+    packed = {f: bx.command_batches(folder, data, store, device, floor_tokens=f) for f in floors}
+    header = packed[floors[0]][0]
     model = bt.random_target(folder, device, torch.bfloat16)
     runner = TargetRunner(model, header["layer_ids"], check=False)
-    tokens = sum(sum(lens) for _, lens in batches)
-    flops = sum(runner.flops.total(lens) for _, lens in batches)
     name, peak = device_peak(str(device))
     out = []
-    for k in kernels.candidates(model, runner.kinds, device):
+    for k, floor in ((k, f) for k in kernels.candidates(model, runner.kinds, device) for f in floors):
         if only is not None and str(k) != only:
             continue  # --only-chosen: the kernels the command's self-check chose, nothing else
+        batches = packed[floor][1]
+        tokens = sum(sum(lens) for _, lens in batches)
+        flops = sum(runner.flops.total(lens) for _, lens in batches)
         row = {"kernels": str(k), "tokens": tokens, "flops_per_token": round(flops / tokens)}
+        if floors != (0,):
+            row |= {"floor_tokens": floor, "forwards": len(batches),
+                    "padded_tokens": sum(ids.numel() for ids, _ in batches)}
         try:
             kernels.apply(model, k)
             for name_ in ("cold", "warm"):
@@ -132,7 +138,7 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
                     runner.hidden(ids.to(device, non_blocking=True))
                 _sync(device)
                 row[f"{name_}_tok_s"] = round(tokens / (time.perf_counter() - t0))
-            if trace:
+            if trace and floor == floors[0]:
                 trace_forward(runner, batches[0][0], device, str(k))
         except Exception as e:  # noqa: BLE001 - out of memory (batched experts), a kernel this machine lacks
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
@@ -161,8 +167,8 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     print(json.dumps({"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
                                                 **said}}), flush=True)
     forwards = forward_by_kernels(folder, data, work / "store", device, said["kernels"] if args.only_chosen else None,
-                                  trace=args.trace)
-    done = [f for f in forwards if "warm_tok_s" in f]
+                                  trace=args.trace, floors=tuple(int(f) for f in args.floors.split(",")))
+    done = [f for f in forwards if "warm_tok_s" in f and not f.get("floor_tokens")]  # the command's own packing
     best = max(done, key=lambda f: f["warm_tok_s"]) if done else None
     out = {"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
                                      **said}, "forwards": forwards, "best": best}
@@ -199,6 +205,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=150_000, help="tokens of conversations per case")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (check the script first)")
     ap.add_argument("--only-chosen", action="store_true", help="time only the kernels the command chose")
+    ap.add_argument("--floors", default="0",
+                    help="comma-separated packing floors (tokens a forward counts at least, plan.pack_batches) to time "
+                         "the forward at: 0 is the command's packing of a resident target; e.g. 0,16384,32768 asks "
+                         "whether fewer, fuller forwards run an MoE target's grouped GEMMs faster")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     ap.add_argument("--trace", action="store_true",
                     help="after each kernel choice's warm pass, one more forward under torch.profiler: its costliest "

@@ -21,6 +21,9 @@
 #           0.8 of resident goes), then part 9's MoE trace (issue 44)
 #   PART 11: issue 40 in one call: the streamed GPU tests, then bench/offload.py resident and offloaded (no same-batch
 #           run) on the Qwen3-32B shape (250K tokens), then on the Qwen3.6-27B shape (200K tokens) in the time left
+#   PART 12: issue 44's MoE forward: the Qwen3-30B-A3B shape's chosen kernels over the command's batches and over
+#           fewer, fuller ones (--floors 0,16384,32768: do its grouped GEMMs want more rows an expert?), with the
+#           first under torch.profiler
 # Any part keeps a carried .g1/part in /tmp/g1part for part 5.
 set -u
 source bench/device_env.sh || exit 1
@@ -116,6 +119,10 @@ case "${1:-1}" in
   timeout "$(left)" python3 bench/offload.py --work /tmp/bo --case qwen36_27b --tokens 200000 --runs resident,offloaded \
     > "$OUT/offload27.txt" 2>&1; echo "offload27 exit $?" >> "$OUT/gpu.txt"
   # at most 8 files come back: these 4 and the 4 runs' logs (below); the timelines' totals are in the logs
+  ;;
+12)
+  timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 150000 \
+    --floors 0,16384,32768 --trace > "$OUT/fk_qwen3_moe_floors.txt" 2>&1; echo "fk floors exit $?" >> "$OUT/gpu.txt"
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

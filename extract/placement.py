@@ -96,6 +96,9 @@ class Placement:
             where = (f"the target's weights sharded over {self.shard} rank(s)" if self.shard > 1
                      else "the target's weights on one rank")
             where += ", held in pinned host memory" if self.offload else ""
+            floor = int(self.batch_tokens * SHARDED_BATCH_FLOOR)
+            return (f"weights: {where}, batches of {self.batch_tokens:,} tokens ({self.reason}); samples packed as "
+                    f"if a forward held at least {floor:,} tokens, since the weights cross once a forward")
         return f"weights: {where}, batches of {self.batch_tokens:,} tokens ({self.reason})"
 
 

@@ -263,6 +263,8 @@ def test_world_of_one_with_host_offload_equals_a_whole_copy(arch, targets, data,
     result = run(dry)
     printed = capsys.readouterr().out
     assert "weights: the target's weights on one rank, held in pinned host memory, batches of 65,536 tokens" in printed
+    assert "samples packed as if a forward held at least 16,384 tokens, since the weights cross once a forward" \
+        in printed
     assert result["plan"]["placement"]["offload"] and result["plan"]["tokens_per_s"] > 0
 
 

@@ -30,10 +30,10 @@ STREAM_MARGIN = 1.25
 MAX_STREAMED_BATCH = 8 * SHARDED_BATCH_TOKENS
 # A forward of a sharded or offloaded target costs at least this share of its batch, whatever the batch holds: its
 # weights cross to the device once a forward (all-gathered from peers, or copied from host memory, hidden behind the
-# compute only where a layer computes longer than it copies: about 11K tokens on an H100's PCIe 5 link at half its
-# peak, bench/RESULTS.md). Packing a shard's samples into batches counts it (plan.pack_batches), so they go in
-# fewer, fuller forwards: without it a 400K-token shard went in 49 forwards of 5-12K tokens, each a whole pass of the
-# weights, and the offloaded Qwen3-32B shape ran at 0.80 of resident.
+# compute only where a layer computes longer than it copies: about 11K tokens over an H100's or H200's PCIe 5 link at
+# half its peak, bench/RESULTS.md). Packing a shard's samples into batches counts it (plan.pack_batches), so they go
+# in fewer, fuller forwards: without it a 400K-token shard went in 49 forwards of 5-12K tokens, each a whole pass of
+# the weights, and the offloaded Qwen3-32B shape ran at 0.80 of resident; with it, 0.952 (6.5% padding against 1.1%).
 SHARDED_BATCH_FLOOR = 0.25
 # A batch grown past the default counts its activations this many times over: the estimate below is rough (MoE
 # routing buffers exceed it), and a batch too large for the GPU is split only where no peer waits in its forward.

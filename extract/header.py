@@ -153,7 +153,7 @@ def target_fingerprint(model_dir: str | os.PathLike) -> str:
 
 def resume_plan(header: dict[str, Any], stored: dict[str, Any] | None, asked: int | None) -> dict[str, Any]:
     """Return the header with the stored store's shard plan when no --shard-size was asked for and it plans the
-    same rows: the default depends on where the weights run (a sharded run's shards hold two of its batches), and a
+    same rows: the default depends on where the weights run (a sharded run's shards hold several of its batches), and a
     store resumed elsewhere keeps the shards it has."""
     plan = (stored or {}).get("shard_plan")
     if asked is None and isinstance(plan, dict) and plan.get("num_rows") == header["shard_plan"].get("num_rows"):

@@ -314,6 +314,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
     from ..errors import DflashError
     from ..storage import Store
     from .header import build_header, in_form_of, resume_plan
+    from .placement import SHARDED_SHARD_BATCHES
     from .plan import scan_rows
     from .progress import Progress, format_summary, summarise
     from .template import load_template
@@ -332,8 +333,9 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
         scan = scan_rows(rows, cfg.max_length, cfg.strict)  # the one pass that parses every row here
         report_bad_rows(scan.bad)
         _require_usable(scan.bad, len(rows), cfg.data)
-        # A sharded or offloaded target's default shards hold two of its batches (a forward never spans two).
-        min_tokens = 2 * placement.batch_tokens if placement is not None and placement.sharded else 0
+        # A sharded or offloaded target's default shards hold several of its batches (extract/placement.py).
+        min_tokens = (SHARDED_SHARD_BATCHES * placement.batch_tokens
+                      if placement is not None and placement.sharded else 0)
         header = build_header(cfg, model_config, tokenizer, template, scan, min_shard_tokens=min_tokens)
         header = in_form_of(resume_plan(header, stored, cfg.shard_size), stored)
         # The pinned host buffers are page-locked on a thread from here, beside the target's load.

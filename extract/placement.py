@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import ConfigError, InputError
 from .plan import format_bytes
 
-__all__ = ["batch_floor", "is_sharded", "target_size", "RESIDENT_BATCH_TOKENS", "SHARDED_BATCH_TOKENS", "GPU_USABLE", "HOST_USABLE", "Placement", "TargetSize",
+__all__ = ["batch_floor", "SHARDED_SHARD_BATCHES", "is_sharded", "target_size", "RESIDENT_BATCH_TOKENS", "SHARDED_BATCH_TOKENS", "GPU_USABLE", "HOST_USABLE", "Placement", "TargetSize",
            "activation_bytes", "decide", "placement_of"]
 
 # The batch of a target whose weights stay on the GPU, and of one whose weights are streamed in layer by layer:
@@ -35,6 +35,14 @@ MAX_STREAMED_BATCH = 8 * SHARDED_BATCH_TOKENS
 # in fewer, fuller forwards: without it a 400K-token shard went in 49 forwards of 5-12K tokens, each a whole pass of
 # the weights, and the offloaded Qwen3-32B shape ran at 0.80 of resident; with it, 0.952 (6.5% padding against 1.1%).
 SHARDED_BATCH_FLOOR = 0.25
+# A sharded or offloaded target's default shards hold at least this many of its batches (a forward never spans two
+# shards, and each shard is packed on its own). Under the floor, the fewer rows a shard has, the more of its forwards
+# mix long and short rows: on lognormal rows of 193-4,001 tokens at 65,536 a batch (a CPU model of pack_batches, the
+# cost of a forward the larger of its padded tokens and a 9K-token copy pass, which put the bench's run at 0.944
+# where the H200 measured 0.952), shards of 2 batches pad 11.4% and cost 1.121x their tokens, of 4 batches 6.3% and
+# 1.070x, of 8 batches 3.4% and 1.041x. Four: a shard that a kill loses is then still under a minute of a 32B
+# target's forwards.
+SHARDED_SHARD_BATCHES = 4
 # A batch grown past the default counts its activations this many times over: the estimate below is rough (MoE
 # routing buffers exceed it), and a batch too large for the GPU is split only where no peer waits in its forward.
 _GROWN_ACTIVATIONS = 1.5

@@ -170,7 +170,7 @@ def default_shard_size(mean_tokens_per_row: float, bytes_per_token: int, target_
 
     A forward never spans two shards: min_tokens keeps the batches of a sharded or offloaded target (64K tokens,
     where streaming the weights costs little) from being cut to a shard's 2 GiB (41K tokens of a 5,120-wide
-    target's features)."""
+    target's features), and gives its packing rows enough to fill them (placement.SHARDED_SHARD_BATCHES)."""
     if mean_tokens_per_row <= 0 or bytes_per_token <= 0:
         raise ValueError("mean_tokens_per_row and bytes_per_token must be positive")
     rows = int(target_bytes // (mean_tokens_per_row * bytes_per_token))

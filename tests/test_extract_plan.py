@@ -93,6 +93,24 @@ def test_a_floor_packs_a_sharded_target_s_small_batches_into_fewer_fuller_forwar
     assert pack_batches(lengths, 65536, floor_tokens=0) == plain
 
 
+def test_a_sharded_target_s_default_shards_hold_enough_batches_to_pack_with_little_padding():
+    # Each shard is packed on its own: under the floor, a shard of two batches mixes long and short rows (11% padding).
+    from dflash.extract.placement import SHARDED_BATCH_FLOOR, SHARDED_SHARD_BATCHES
+
+    rng = random.Random(3)
+    lengths = [min(4001, max(193, int(rng.lognormvariate(7.17, 0.7)))) for _ in range(1500)]
+    batch, floor = 65536, int(65536 * SHARDED_BATCH_FLOOR)
+
+    def padding(batches_a_shard: int) -> float:
+        rows = default_shard_size(sum(lengths) / len(lengths), 51200, min_tokens=batches_a_shard * batch)
+        shards = [lengths[i:i + rows] for i in range(0, len(lengths), rows)]
+        packed = [[[s[i] for i in b] for b in pack_batches(s, batch, floor_tokens=floor)] for s in shards]
+        return 1 - sum(lengths) / sum(len(b) * max(b) for p in packed for b in p)
+
+    assert SHARDED_SHARD_BATCHES >= 4
+    assert padding(SHARDED_SHARD_BATCHES) < 0.08 < padding(2), (padding(SHARDED_SHARD_BATCHES), padding(2))
+
+
 def test_only_a_sharded_or_offloaded_target_s_batches_have_a_floor():
     from dflash.config.extract import ExtractConfig
     from dflash.extract.placement import batch_floor

@@ -314,7 +314,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
     from ..errors import DflashError
     from ..storage import Store
     from .header import build_header, in_form_of, resume_plan
-    from .placement import SHARDED_SHARD_BATCHES
+    from .placement import min_shard_tokens
     from .plan import scan_rows
     from .progress import Progress, format_summary, summarise
     from .template import load_template
@@ -334,8 +334,9 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
         report_bad_rows(scan.bad)
         _require_usable(scan.bad, len(rows), cfg.data)
         # A sharded or offloaded target's default shards hold several of its batches (extract/placement.py).
-        min_tokens = (SHARDED_SHARD_BATCHES * placement.batch_tokens
-                      if placement is not None and placement.sharded else 0)
+        launched = ranks_from_env().world
+        world = launched if launched > 1 else len(devices)
+        min_tokens = min_shard_tokens(placement, sum(t for t in scan.tokens if t > 0), world)
         header = build_header(cfg, model_config, tokenizer, template, scan, min_shard_tokens=min_tokens)
         header = in_form_of(resume_plan(header, stored, cfg.shard_size), stored)
         # The pinned host buffers are page-locked on a thread from here, beside the target's load.

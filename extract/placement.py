@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import ConfigError, InputError
 from .plan import format_bytes
 
-__all__ = ["batch_floor", "SHARDED_SHARD_BATCHES", "is_sharded", "target_size", "RESIDENT_BATCH_TOKENS", "SHARDED_BATCH_TOKENS", "GPU_USABLE", "HOST_USABLE", "Placement", "TargetSize",
+__all__ = ["batch_floor", "min_shard_tokens", "SHARDED_SHARD_BATCHES", "is_sharded", "target_size", "RESIDENT_BATCH_TOKENS", "SHARDED_BATCH_TOKENS", "GPU_USABLE", "HOST_USABLE", "Placement", "TargetSize",
            "activation_bytes", "decide", "placement_of"]
 
 # The batch of a target whose weights stay on the GPU, and of one whose weights are streamed in layer by layer:
@@ -239,6 +239,16 @@ def batch_floor(cfg: Any) -> int:
     if not is_sharded(cfg) or cfg.batch_tokens is None:
         return 0
     return int(cfg.batch_tokens * SHARDED_BATCH_FLOOR)
+
+
+def min_shard_tokens(placement: "Placement | None", total_tokens: int, world: int) -> int:
+    """Return the fewest tokens a default shard holds: for a sharded or offloaded target SHARDED_SHARD_BATCHES of its
+    batches, fewer (down to two) where the data would then leave some of the run's `world` ranks without a shard;
+    0 (the 2 GiB default alone) for a resident one."""
+    if placement is None or not placement.sharded:
+        return 0
+    batch = placement.batch_tokens
+    return max(2 * batch, min(SHARDED_SHARD_BATCHES * batch, int(total_tokens) // max(1, world)))
 
 
 def is_sharded(cfg: Any) -> bool:

@@ -176,8 +176,9 @@ def device_overlap(events: list) -> dict:
 
 
 def profile_batch_forward(runner: type) -> None:
-    """Have the runner's second forward of 8,192 tokens or more (extraction's, warm) run under torch.profiler and print where its time went: the CUDA kernels'
-    and copies' totals (host-to-device copies are the offloaded weights) beside the forward's wall time."""
+    """Have the runner's second forward of 8,192 tokens or more (extraction's, warm) run under torch.profiler and
+    print where its time went: the CUDA kernels' and copies' totals (host-to-device copies are the offloaded weights)
+    beside the forward's wall time."""
     import time
 
     from torch.profiler import ProfilerActivity, profile

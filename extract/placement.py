@@ -8,7 +8,8 @@ from typing import Any
 from ..errors import ConfigError, InputError
 from .plan import format_bytes
 
-__all__ = ["batch_floor", "min_shard_tokens", "SHARDED_SHARD_BATCHES", "is_sharded", "target_size", "RESIDENT_BATCH_TOKENS", "SHARDED_BATCH_TOKENS", "GPU_USABLE", "HOST_USABLE", "Placement", "TargetSize",
+__all__ = ["batch_floor", "min_shard_tokens", "SHARDED_SHARD_BATCHES", "is_sharded", "target_size",
+           "RESIDENT_BATCH_TOKENS", "SHARDED_BATCH_TOKENS", "GPU_USABLE", "HOST_USABLE", "Placement", "TargetSize",
            "activation_bytes", "decide", "placement_of"]
 
 # The batch of a target whose weights stay on the GPU, and of one whose weights are streamed in layer by layer:

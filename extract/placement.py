@@ -244,12 +244,15 @@ def batch_floor(cfg: Any) -> int:
 
 def min_shard_tokens(placement: "Placement | None", total_tokens: int, world: int) -> int:
     """Return the fewest tokens a default shard holds: for a sharded or offloaded target SHARDED_SHARD_BATCHES of its
-    batches, fewer (down to two) where the data would then leave some of the run's `world` ranks without a shard;
-    0 (the 2 GiB default alone) for a resident one."""
+    batches, fewer (down to two) where the data (total_tokens, an estimate) would then give each of the run's `world`
+    ranks fewer than about four shards: ranks that share weights forward in lockstep, so the run lasts as long as its
+    busiest rank, and smaller shards share the last of the work out more evenly; 0 (the 2 GiB default alone) for a
+    resident target."""
     if placement is None or not placement.sharded:
         return 0
     batch = placement.batch_tokens
-    return max(2 * batch, min(SHARDED_SHARD_BATCHES * batch, int(total_tokens) // max(1, world)))
+    even = int(total_tokens) // (4 * world) if world > 1 else SHARDED_SHARD_BATCHES * batch
+    return max(2 * batch, min(SHARDED_SHARD_BATCHES * batch, even))
 
 
 def is_sharded(cfg: Any) -> bool:

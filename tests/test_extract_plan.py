@@ -111,13 +111,14 @@ def test_a_sharded_target_s_default_shards_hold_enough_batches_to_pack_with_litt
     assert padding(SHARDED_SHARD_BATCHES) < 0.08 < padding(2), (padding(SHARDED_SHARD_BATCHES), padding(2))
 
 
-def test_a_sharded_target_s_shards_shrink_to_two_batches_rather_than_leave_ranks_without_one():
+def test_a_sharded_target_s_shards_shrink_to_two_batches_rather_than_leave_ranks_few_of_them():
     from dflash.extract.placement import Placement, SHARDED_SHARD_BATCHES, min_shard_tokens
 
     offloaded, resident = Placement(1, True, 65536, "asked"), Placement(1, False, 32768, "asked")
     assert min_shard_tokens(offloaded, 10**9, 8) == SHARDED_SHARD_BATCHES * 65536
-    assert min_shard_tokens(offloaded, 8 * 3 * 65536, 8) == 3 * 65536  # a shard for every rank
+    assert min_shard_tokens(offloaded, 8 * 4 * 3 * 65536, 8) == 3 * 65536  # about four shards for every rank
     assert min_shard_tokens(offloaded, 1000, 8) == 2 * 65536  # never below two batches
+    assert min_shard_tokens(offloaded, 1000, 1) == SHARDED_SHARD_BATCHES * 65536  # one rank: no peer waits on it
     assert min_shard_tokens(resident, 10**9, 8) == min_shard_tokens(None, 10**9, 8) == 0
 
 

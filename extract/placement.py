@@ -105,9 +105,9 @@ class Placement:
             where = (f"the target's weights sharded over {self.shard} rank(s)" if self.shard > 1
                      else "the target's weights on one rank")
             where += ", held in pinned host memory" if self.offload else ""
-            floor = int(self.batch_tokens * SHARDED_BATCH_FLOOR)
             return (f"weights: {where}, batches of {self.batch_tokens:,} tokens ({self.reason}); samples packed as "
-                    f"if a forward held at least {floor:,} tokens, since the weights cross once a forward")
+                    f"if a forward held at least {_floor(self.batch_tokens):,} tokens, since the weights cross once a "
+                    f"forward")
         return f"weights: {where}, batches of {self.batch_tokens:,} tokens ({self.reason})"
 
 
@@ -239,7 +239,11 @@ def batch_floor(cfg: Any) -> int:
     forward), else 0."""
     if not is_sharded(cfg) or cfg.batch_tokens is None:
         return 0
-    return int(cfg.batch_tokens * SHARDED_BATCH_FLOOR)
+    return _floor(cfg.batch_tokens)
+
+
+def _floor(batch_tokens: int) -> int:
+    return int(batch_tokens * SHARDED_BATCH_FLOOR)
 
 
 def min_shard_tokens(placement: "Placement | None", total_tokens: int, world: int) -> int:

@@ -104,12 +104,14 @@ def trace_forward(runner: Any, ids: torch.Tensor, device: torch.device, label: s
 
 
 def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.device, only: str | None = None,
-                       trace: bool = False, floors: tuple[int, ...] = (0,)) -> list[dict]:
+                       trace: bool = False, floors: tuple[int, ...] = (0,), also: tuple[str, ...] = ()) -> list[dict]:
     """Return, per kernel choice dflash would try for this target (targets/kernels.candidates) and per packing floor
     (plan.pack_batches: 0 packs as the command does for a resident target, larger ones into fewer, fuller
-    forwards), the truncated forward's cold and warm tok/s over those batches, its TFLOP/s and MFU (warm)."""
+    forwards), the truncated forward's cold and warm tok/s over those batches, its TFLOP/s and MFU (warm). also:
+    more "attention,experts" pairs to time after them (e.g. sdpa,dflash_grouped_mm: targets/experts.py), whether or
+    not dflash would try them."""
     from dflash.extract.perf import device_peak
-    from dflash.targets import kernels
+    from dflash.targets import experts, kernels
     from dflash.targets.runner import TargetRunner
 
     packed = {f: bx.command_batches(folder, data, store, device, floor_tokens=f) for f in floors}
@@ -118,9 +120,10 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
     runner = TargetRunner(model, header["layer_ids"], check=False)
     name, peak = device_peak(str(device))
     out = []
-    for k, floor in ((k, f) for k in kernels.candidates(model, runner.kinds, device) for f in floors):
-        if only is not None and str(k) != only:
-            continue  # --only-chosen: the kernels the command's self-check chose, nothing else
+    experts.register()
+    extra = [kernels.Kernels(*a.split(",")) for a in also]
+    tried = [k for k in kernels.candidates(model, runner.kinds, device) if only is None or str(k) == only]
+    for k, floor in ((k, f) for k in tried + [k for k in extra if k not in tried] for f in floors):
         batches = packed[floor][1]
         tokens = sum(sum(lens) for _, lens in batches)
         flops = sum(runner.flops.total(lens) for _, lens in batches)
@@ -138,7 +141,7 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
                     runner.hidden(ids.to(device, non_blocking=True))
                 _sync(device)
                 row[f"{name_}_tok_s"] = round(tokens / (time.perf_counter() - t0))
-            if trace and floor == floors[0]:
+            if trace and floor == floors[0] and k not in extra:
                 trace_forward(runner, batches[0][0], device, str(k))
         except Exception as e:  # noqa: BLE001 - out of memory (batched experts), a kernel this machine lacks
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
@@ -167,7 +170,8 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     print(json.dumps({"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
                                                 **said}}), flush=True)
     forwards = forward_by_kernels(folder, data, work / "store", device, said["kernels"] if args.only_chosen else None,
-                                  trace=args.trace, floors=tuple(int(f) for f in args.floors.split(",")))
+                                  trace=args.trace, floors=tuple(int(f) for f in args.floors.split(",")),
+                                  also=tuple(a for a in args.also.split(";") if a))
     done = [f for f in forwards if "warm_tok_s" in f and not f.get("floor_tokens")]  # the command's own packing
     best = max(done, key=lambda f: f["warm_tok_s"]) if done else None
     out = {"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
@@ -209,6 +213,9 @@ def main() -> None:
                     help="comma-separated packing floors (tokens a forward counts at least, plan.pack_batches) to time "
                          "the forward at: 0 is the command's packing of a resident target; e.g. 0,16384,32768 asks "
                          "whether fewer, fuller forwards run an MoE target's grouped GEMMs faster")
+    ap.add_argument("--also", default="",
+                    help="semicolon-separated attention,experts pairs to time after the command's candidates (with "
+                         "--only-chosen, after its choice), e.g. sdpa,dflash_grouped_mm (targets/experts.py)")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     ap.add_argument("--trace", action="store_true",
                     help="after each kernel choice's warm pass, one more forward under torch.profiler: its costliest "

@@ -25,7 +25,7 @@
 #           fewer, fuller ones (--floors 0,16384,32768: do its grouped GEMMs want more rows an expert?), with the
 #           first under torch.profiler
 #   PART 13: the rest of issue 40 and a first answer for issue 44, one call: the Qwen3.6-27B shape resident and
-#           offloaded (200K tokens), then part 12's MoE floors in the time left
+#           offloaded (200K tokens), then part 12's MoE floors (100K tokens, the first under torch.profiler) in the time left
 # Any part keeps a carried .g1/part in /tmp/g1part for part 5.
 set -u
 source bench/device_env.sh || exit 1
@@ -124,13 +124,13 @@ case "${1:-1}" in
   ;;
 12)
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 150000 \
-    --floors 0,16384,32768 --trace > "$OUT/fk_qwen3_moe_floors.txt" 2>&1; echo "fk floors exit $?" >> "$OUT/gpu.txt"
+    --floors 0,16384,32768 --trace --also "sdpa,dflash_grouped_mm" > "$OUT/fk_qwen3_moe_floors.txt" 2>&1; echo "fk floors exit $?" >> "$OUT/gpu.txt"
   ;;
 13)
   timeout "$(left 380)" python3 bench/offload.py --work /tmp/bo --case qwen36_27b --tokens 200000 --runs resident,offloaded \
     > "$OUT/offload27.txt" 2>&1; echo "offload27 exit $?" >> "$OUT/gpu.txt"
-  timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 150000 \
-    --floors 0,16384,32768 > "$OUT/fk_qwen3_moe_floors.txt" 2>&1; echo "fk floors exit $?" >> "$OUT/gpu.txt"
+  timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 100000 \
+    --floors 0,16384,32768 --trace --also "sdpa,dflash_grouped_mm" > "$OUT/fk_qwen3_moe_floors.txt" 2>&1; echo "fk floors exit $?" >> "$OUT/gpu.txt"
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

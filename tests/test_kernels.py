@@ -233,3 +233,39 @@ def test_one_token_routed_otherwise_is_rounding_and_a_lost_window_is_not() -> No
     assert kernels.relative_error(one, want)[0] < kernels.TOLERANCE["bfloat16"]
     err, layer, row = kernels.relative_error(window, want)
     assert err > 0.5 and (layer, row) == (1, 0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_dflash_experts_equal_transformers_grouped_gemms(arch, tiny_target):  # noqa: F811
+    """targets/experts.py on real tiny experts modules (concatenated and interleaved gates, biases, transposed
+    weights): the same sums as transformers' grouped_mm forward, in float32 to its rounding and in bf16 to a few of
+    bf16's; under autograd it is transformers' own forward."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    from dflash.targets import experts
+
+    assert experts.register()
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        model = _load(tiny_target(arch), dtype)
+        module = next(m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_concatenated"))
+        torch.manual_seed(0)
+        tokens, k = 37, 2
+        x = torch.randn(tokens, model.config.hidden_size, dtype=dtype)
+        index = torch.stack([torch.randperm(module.num_experts)[:k] for _ in range(tokens)])
+        weights = torch.rand(tokens, k).to(dtype)
+        index[0] = index[1]  # two tokens on the same experts, and experts no token takes
+        with torch.no_grad():
+            want = grouped_mm_experts_forward(module, x, index, weights)
+            got = experts.forward(module, x, index, weights)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+        assert err < tol, (arch, dtype, err)
+        # a wrong routing weight is far outside it
+        with torch.no_grad():
+            off = experts.forward(module, x, index, weights.flip(-1))
+        assert float((off.float() - want.float()).abs().max() / want.float().abs().max()) > 10 * tol
+    with torch.enable_grad():  # training's path is transformers' own, bit for bit
+        assert torch.equal(experts.forward(module, x, index, weights),
+                           grouped_mm_experts_forward(module, x, index, weights))
+    kernels.apply(model, Kernels(kernels.current(model).attention, experts.NAME))
+    assert kernels.current(model).experts == experts.NAME

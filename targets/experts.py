@@ -1,0 +1,92 @@
+"""dflash's own experts forward for extraction: transformers' grouped GEMMs, without what training and expert
+parallelism need of them, registered with transformers as the experts implementation `NAME`.
+
+transformers' `grouped_mm` experts serve training and expert parallelism too, so beside the two grouped GEMMs a layer
+passes its rows through work a forward under no_grad on one rank does not need: in 5.17 two out-of-place masks of
+every row (expert-parallel sentinels, 5.25 skips them off EP), a product by the routing weights, an inverse
+permutation built and gathered, then a sum over the top-k. Here the rows are sorted by expert once, run through the
+same grouped GEMMs (transformers' `_grouped_mm`, so the same kernel on every device), written back to token order by
+one scatter, and the routing weights and the sum over the top-k are one batched matmul (its products accumulate in
+float32, as the sum does there). Where a module needs more than this covers (gradients, expert parallelism, a norm
+after each expert), transformers' own forward runs instead. `targets/kernels.choose` checks it against the model's
+eager float32 forward like any other candidate, and it is offered only on CUDA, where the passes it saves are memory
+traffic the GPU waits on.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["NAME", "available", "register", "forward"]
+
+NAME = "dflash_grouped_mm"
+
+
+def _transformers_parts() -> tuple[Any, Any] | None:
+    """Return transformers' (grouped GEMM dispatcher, grouped_mm experts forward), or None where this transformers has
+    no grouped experts."""
+    try:
+        from transformers.integrations.moe import _grouped_mm, grouped_mm_experts_forward
+    except ImportError:
+        return None
+    return _grouped_mm, grouped_mm_experts_forward
+
+
+def available() -> bool:
+    """Return True if this transformers can take the experts implementation (registering it first)."""
+    return register()
+
+
+def register() -> bool:
+    """Register `forward` with transformers' experts interface as NAME, once; False where it cannot be."""
+    parts = _transformers_parts()
+    if parts is None:
+        return False
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+    except ImportError:
+        return False
+    if NAME not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(NAME, forward)
+    return True
+
+
+def forward(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+    """The experts of one layer for every token: [T, H] hidden states, [T, k] expert indices and routing weights ->
+    [T, H], the routing-weighted sum of each token's k experts."""
+    import torch
+
+    mm, theirs = _transformers_parts()  # type: ignore[misc]
+    if (torch.is_grad_enabled() or getattr(self, "_is_expert_parallel", False)
+            or getattr(self, "has_post_expert_norm", False)):
+        return theirs(self, hidden_states, top_k_index, top_k_weights)
+    tokens, hidden = hidden_states.shape
+    k = top_k_index.shape[-1]
+    experts = top_k_index.reshape(-1)
+    sorted_experts, order = torch.sort(experts)
+    rows = hidden_states.index_select(0, order // k)
+    # histc rather than bincount: no host sync (bincount sizes its output from the data); CUDA takes integers, the
+    # CPU floats
+    counts = torch.histc(sorted_experts.int() if hidden_states.is_cuda else sorted_experts.float(),
+                         bins=self.num_experts, min=0, max=self.num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    if self.has_gate:
+        weight, bias = self.gate_up_proj, getattr(self, "gate_up_proj_bias", None) if self.has_bias else None
+    else:
+        weight, bias = self.up_proj, getattr(self, "up_proj_bias", None) if self.has_bias else None
+    dtype = weight.dtype
+    up = mm(rows.to(dtype), weight if self.is_transposed else weight.transpose(-2, -1), offs=offsets)
+    if bias is not None:
+        up.add_(bias.index_select(0, sorted_experts))
+    act = self._apply_gate(up) if self.has_gate else self.act_fn(up)
+    del up
+    down_w = self.down_proj
+    out = mm(act.to(down_w.dtype), down_w if self.is_transposed else down_w.transpose(-2, -1), offs=offsets)
+    del act
+    if self.has_bias and getattr(self, "down_proj_bias", None) is not None:
+        out.add_(self.down_proj_bias.index_select(0, sorted_experts))
+    by_token = torch.empty_like(out)
+    by_token.index_copy_(0, order, out)  # back to token order: row t * k + j is token t's j-th expert
+    del out
+    weights = top_k_weights.reshape(tokens, 1, k).to(by_token.dtype)
+    summed = torch.bmm(weights, by_token.view(tokens, k, hidden))
+    return summed.view(tokens, hidden).to(hidden_states.dtype)

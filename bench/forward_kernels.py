@@ -121,13 +121,24 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
     name, peak = device_peak(str(device))
     out = []
     experts.register()
-    extra = [kernels.Kernels(*a.split(",")) for a in also]
-    tried = [k for k in kernels.candidates(model, runner.kinds, device) if only is None or str(k) == only]
-    for k, floor in ((k, f) for k in tried + [k for k in extra if k not in tried] for f in floors):
+    # --also: "attention,experts[,compile]"; compile: every decoder layer under torch.compile (dynamic shapes), its
+    # cold pass counting the compilation
+    extra = [(kernels.Kernels(*a.split(",")[:2]), a.endswith(",compile")) for a in also]
+    tried = [(k, False) for k in kernels.candidates(model, runner.kinds, device) if only is None or str(k) == only]
+    last = None
+    for (k, compiled), floor in ((kc, f) for kc in tried + [kc for kc in extra if kc not in tried] for f in floors):
+        if (k, compiled) != last:
+            torch._dynamo.reset()  # compiled afresh for these kernels: the first floor's cold pass compiles
+            for layer in runner.text.layers:
+                layer._compiled_call_impl = None
+                if compiled:
+                    layer.compile(dynamic=True)
+            last = (k, compiled)
         batches = packed[floor][1]
         tokens = sum(sum(lens) for _, lens in batches)
         flops = sum(runner.flops.total(lens) for _, lens in batches)
-        row = {"kernels": str(k), "tokens": tokens, "flops_per_token": round(flops / tokens)}
+        row = {"kernels": str(k) + (", compiled" if compiled else ""), "tokens": tokens,
+               "flops_per_token": round(flops / tokens)}
         if floors != (0,):
             row |= {"floor_tokens": floor, "forwards": len(batches),
                     "padded_tokens": sum(ids.numel() for ids, _ in batches)}
@@ -141,7 +152,7 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
                     runner.hidden(ids.to(device, non_blocking=True))
                 _sync(device)
                 row[f"{name_}_tok_s"] = round(tokens / (time.perf_counter() - t0))
-            if trace and floor == floors[0] and k not in extra:
+            if trace and floor == floors[0] and (k, compiled) not in extra:
                 trace_forward(runner, batches[0][0], device, str(k))
         except Exception as e:  # noqa: BLE001 - out of memory (batched experts), a kernel this machine lacks
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
@@ -215,7 +226,8 @@ def main() -> None:
                          "whether fewer, fuller forwards run an MoE target's grouped GEMMs faster")
     ap.add_argument("--also", default="",
                     help="semicolon-separated attention,experts pairs to time after the command's candidates (with "
-                         "--only-chosen, after its choice), e.g. sdpa,dflash_grouped_mm (targets/experts.py)")
+                         "--only-chosen, after its choice), e.g. sdpa,dflash_grouped_mm (targets/experts.py); a third "
+                         "field ',compile' runs every decoder layer under torch.compile (dynamic shapes)")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     ap.add_argument("--trace", action="store_true",
                     help="after each kernel choice's warm pass, one more forward under torch.profiler: its costliest "

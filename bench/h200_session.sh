@@ -124,13 +124,13 @@ case "${1:-1}" in
   ;;
 12)
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 150000 \
-    --floors 0,16384,32768 --trace --also "sdpa,dflash_grouped_mm" > "$OUT/fk_qwen3_moe_floors.txt" 2>&1; echo "fk floors exit $?" >> "$OUT/gpu.txt"
+    --floors 0,16384,32768 --trace --also "sdpa,grouped_mm,compile;sdpa,dflash_grouped_mm;sdpa,dflash_grouped_mm,compile" > "$OUT/fk_qwen3_moe_floors.txt" 2>&1; echo "fk floors exit $?" >> "$OUT/gpu.txt"
   ;;
 13)
   timeout "$(left 380)" python3 bench/offload.py --work /tmp/bo --case qwen36_27b --tokens 200000 --runs resident,offloaded \
     > "$OUT/offload27.txt" 2>&1; echo "offload27 exit $?" >> "$OUT/gpu.txt"
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 100000 \
-    --floors 0,16384,32768 --trace --also "sdpa,dflash_grouped_mm" > "$OUT/fk_qwen3_moe_floors.txt" 2>&1; echo "fk floors exit $?" >> "$OUT/gpu.txt"
+    --floors 0,16384,32768 --trace --also "sdpa,grouped_mm,compile;sdpa,dflash_grouped_mm;sdpa,dflash_grouped_mm,compile" > "$OUT/fk_qwen3_moe_floors.txt" 2>&1; echo "fk floors exit $?" >> "$OUT/gpu.txt"
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

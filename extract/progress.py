@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from ..runtime.process import Progress as Display
@@ -13,6 +14,10 @@ __all__ = ["Progress", "summarise", "format_summary"]
 log = logging.getLogger(__name__)
 
 _LOG_EVERY_S = 10.0
+# The rates and the ETA are over the last RATE_WINDOW_S of batches, not since the process started: a run's start-up
+# (the target's load, the self-check, kernels compiled and autotuned on the first batches: minutes for a large or
+# hybrid target) would otherwise hold the rate down and the ETA up for a long while.
+RATE_WINDOW_S = 60.0
 
 
 class Progress:
@@ -21,11 +26,21 @@ class Progress:
     def __init__(self, total_rows: int, *, show: bool = True, run_rows: Any = None, world: int = 1) -> None:
         self.total_rows = total_rows
         self.rows = self.samples = self.tokens = self.bytes = self.shards = 0
-        self.t0 = time.perf_counter()
         # run_rows(): the rows of the shards every rank has committed since the start, for a rank that shows the
         # progress of a launched run (its own events are 1/world of it): read from the store at most every 5 s.
         self.run_rows, self.world, self._counted = run_rows, world, -1e9
         self.display = Display(total_rows, unit="row", desc="extract", show=show, every_s=_LOG_EVERY_S, logger=log)
+        self._seen: deque[tuple[float, int, int, int]] = deque()  # (time, rows, samples, tokens) at each batch
+
+    def rates(self, now: float) -> tuple[float, float, float] | None:
+        """Return (rows, samples, tokens) a second over the batches of the last RATE_WINDOW_S (from the first batch
+        while the run is younger than that); None before two batches were seen."""
+        while len(self._seen) > 2 and now - self._seen[1][0] >= RATE_WINDOW_S:
+            self._seen.popleft()
+        if len(self._seen) < 2 or self._seen[-1][0] <= self._seen[0][0]:
+            return None
+        (t0, r0, s0, k0), (t1, r1, s1, k1) = self._seen[0], self._seen[-1]
+        return (r1 - r0) / (t1 - t0), (s1 - s0) / (t1 - t0), (k1 - k0) / (t1 - t0)
 
     def update(self, event: dict[str, Any]) -> None:
         """Fold one worker event (batch, dropped, shard) into the totals and refresh the display."""
@@ -42,14 +57,21 @@ class Progress:
             self.bytes += int(event.get("bytes", 0))
         self.rows += rows
         now = time.perf_counter()
-        elapsed = max(1e-9, now - self.t0)
-        detail = (f"{self.shards} shards, {self.tokens / elapsed:,.0f} tok/s, {self.samples / elapsed:,.1f} samples/s, "
-                  f"{self.bytes / 1e9:.2f} GB written")
+        if kind in ("batch", "dropped"):
+            self._seen.append((now, self.rows, self.samples, self.tokens))
+        rate = self.rates(now)
+        speed = (f"{rate[2]:,.0f} tok/s, {rate[1]:,.1f} samples/s" if rate is not None
+                 else "rates from the second batch on")
+        detail = f"{self.shards} shards, {speed}, {self.bytes / 1e9:.2f} GB written"
         if self.run_rows is None or not self.display.show:
-            self.display.update(rows, detail=detail)
+            left = self.display.total - self.display.done - rows
+            self.display.update(rows, detail=detail, eta=left / rate[0] if rate and rate[0] > 0 else float("inf"))
         elif now - self._counted >= 5.0 or kind == "shard":
             self._counted = now
-            self.display.update(to=self.run_rows(), detail=f"{self.world} ranks; this one: {detail}")
+            done = self.run_rows()
+            # every rank forwards at about this one's pace
+            eta = (self.display.total - done) / (rate[0] * self.world) if rate and rate[0] > 0 else float("inf")
+            self.display.update(to=done, detail=f"{self.world} ranks; this one: {detail}", eta=eta)
 
     def close(self) -> None:
         """Close the display."""

@@ -331,8 +331,10 @@ class Progress:
             self.bar.total = total
             self.bar.refresh()
 
-    def update(self, n: int = 0, *, to: int | None = None, detail: str = "", force: bool = False) -> None:
-        """Advance by n (or to `to`) and show `detail` (e.g. "1,234 tok/s"): on the bar, or in a due log line."""
+    def update(self, n: int = 0, *, to: int | None = None, detail: str = "", force: bool = False,
+               eta: float | None = None) -> None:
+        """Advance by n (or to `to`) and show `detail` (e.g. "1,234 tok/s"): on the bar, or in a due log line with
+        the ETA (`eta` seconds where the caller knows better, e.g. from a recent rate; else this run's rate so far)."""
         self.done = to if to is not None else self.done + n
         if not self.show:
             return
@@ -344,7 +346,7 @@ class Progress:
         if force or now - self.last >= self.every_s or self.done >= self.total:
             self.last = now
             self.log.info("%s: %d/%d %ss, %s%sETA %s", self.desc, self.done, self.total, self.unit, detail,
-                          ", " if detail else "", format_eta(self.eta()))
+                          ", " if detail else "", format_eta(self.eta() if eta is None else eta))
 
     def note(self, text: str) -> None:
         """Show a state that is not progress (e.g. waiting for data)."""

@@ -228,3 +228,34 @@ def test_replaced_utf8_and_cut_turns_are_counted(tiny_qwen3, tmp_path, capsys):
     store = Store.open(str(tmp_path / "store"))
     altered = store.commit_record(0)["extra"]["altered"]
     assert altered["counts"] == {"invalid_utf8_replaced": 1, "truncated_at_max_length": 1}
+
+
+def test_progress_rates_and_eta_leave_the_start_up_out(monkeypatch, caplog):
+    """A run that spent minutes loading and autotuning before its first batch shows the batches' own rate and an ETA
+    from it (over the last minute), not one held down by its start-up; a slowdown shows within a minute."""
+    import logging
+    import types
+
+    from dflash.extract import progress as prog
+    from dflash.runtime import process
+
+    clock = [1000.0]
+    fake = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(prog, "time", fake)
+    monkeypatch.setattr(process, "time", fake)
+    p = prog.Progress(1000, show=True)
+    clock[0] += 300.0  # start-up: the load, the self-check, autotuning
+    with caplog.at_level(logging.INFO, logger="dflash.extract.progress"):
+        p.update({"kind": "batch", "samples": 10, "tokens": 20_000})
+        for _ in range(30):  # then 10 rows and 20,000 tokens every 2 s: 10,000 tok/s, 5 rows/s
+            clock[0] += 2.0
+            p.update({"kind": "batch", "samples": 10, "tokens": 20_000})
+    line = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()][-1]
+    assert "10,000 tok/s, 5.0 samples/s" in line, line
+    assert line.endswith("ETA 0:02:18"), line  # 690 rows left at 5 a second
+    with caplog.at_level(logging.INFO, logger="dflash.extract.progress"):
+        for _ in range(40):  # a slowdown to a quarter: 10 rows every 8 s
+            clock[0] += 8.0
+            p.update({"kind": "batch", "samples": 10, "tokens": 20_000})
+    line = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()][-1]
+    assert "2,500 tok/s, 1.2 samples/s" in line and line.endswith("ETA 0:03:52"), line  # 290 rows at 1.25 a second

@@ -7,6 +7,7 @@ from collections import deque
 from typing import Any
 
 from ..runtime.process import Progress as Display
+from ..runtime.process import window_rate
 from .perf import perf_line
 
 __all__ = ["Progress", "summarise", "format_summary"]
@@ -14,10 +15,6 @@ __all__ = ["Progress", "summarise", "format_summary"]
 log = logging.getLogger(__name__)
 
 _LOG_EVERY_S = 10.0
-# The rates and the ETA are over the last RATE_WINDOW_S of batches, not since the process started: a run's start-up
-# (the target's load, the self-check, kernels compiled and autotuned on the first batches: minutes for a large or
-# hybrid target) would otherwise hold the rate down and the ETA up for a long while.
-RATE_WINDOW_S = 60.0
 
 
 class Progress:
@@ -30,17 +27,11 @@ class Progress:
         # progress of a launched run (its own events are 1/world of it): read from the store at most every 5 s.
         self.run_rows, self.world, self._counted = run_rows, world, -1e9
         self.display = Display(total_rows, unit="row", desc="extract", show=show, every_s=_LOG_EVERY_S, logger=log)
-        self._seen: deque[tuple[float, int, int, int]] = deque()  # (time, rows, samples, tokens) at each batch
-
-    def rates(self, now: float) -> tuple[float, float, float] | None:
-        """Return (rows, samples, tokens) a second over the batches of the last RATE_WINDOW_S (from the first batch
-        while the run is younger than that); None before two batches were seen."""
-        while len(self._seen) > 2 and now - self._seen[1][0] >= RATE_WINDOW_S:
-            self._seen.popleft()
-        if len(self._seen) < 2 or self._seen[-1][0] <= self._seen[0][0]:
-            return None
-        (t0, r0, s0, k0), (t1, r1, s1, k1) = self._seen[0], self._seen[-1]
-        return (r1 - r0) / (t1 - t0), (s1 - s0) / (t1 - t0), (k1 - k0) / (t1 - t0)
+        # (time, samples, tokens) at each batch: the rates shown are over the last minute of batches
+        # (runtime.process.window_rate), not since the process started, whose start-up (the target's load, the
+        # self-check, kernels compiled and autotuned on the first batches: minutes for a large or hybrid target)
+        # would hold them down for a long while; the ETA likewise (the display's own)
+        self._seen: deque[tuple[float, int, int]] = deque()
 
     def update(self, event: dict[str, Any]) -> None:
         """Fold one worker event (batch, dropped, shard) into the totals and refresh the display."""
@@ -57,21 +48,17 @@ class Progress:
             self.bytes += int(event.get("bytes", 0))
         self.rows += rows
         now = time.perf_counter()
-        if kind in ("batch", "dropped"):
-            self._seen.append((now, self.rows, self.samples, self.tokens))
-        rate = self.rates(now)
-        speed = (f"{rate[2]:,.0f} tok/s, {rate[1]:,.1f} samples/s" if rate is not None
+        if kind == "batch":
+            self._seen.append((now, self.samples, self.tokens))
+        rate = window_rate(self._seen, now)
+        speed = (f"{rate[1]:,.0f} tok/s, {rate[0]:,.1f} samples/s" if rate is not None
                  else "rates from the second batch on")
         detail = f"{self.shards} shards, {speed}, {self.bytes / 1e9:.2f} GB written"
         if self.run_rows is None or not self.display.show:
-            left = self.display.total - self.display.done - rows
-            self.display.update(rows, detail=detail, eta=left / rate[0] if rate and rate[0] > 0 else float("inf"))
+            self.display.update(rows, detail=detail)
         elif now - self._counted >= 5.0 or kind == "shard":
             self._counted = now
-            done = self.run_rows()
-            # every rank forwards at about this one's pace
-            eta = (self.display.total - done) / (rate[0] * self.world) if rate and rate[0] > 0 else float("inf")
-            self.display.update(to=done, detail=f"{self.world} ranks; this one: {detail}", eta=eta)
+            self.display.update(to=self.run_rows(), detail=f"{self.world} ranks; this one: {detail}")
 
     def close(self) -> None:
         """Close the display."""

@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import threading
+from collections import deque
 import time
 import traceback
 from dataclasses import dataclass
@@ -302,6 +303,24 @@ def format_eta(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+# Rates and ETAs are over the last RATE_WINDOW_S of progress, from the first update on.
+RATE_WINDOW_S = 60.0
+
+
+def window_rate(seen: Any, now: float | None = None) -> tuple[float, ...] | None:
+    """Return each counter's rate a second over `seen`, a deque of (time, counter, ...) tuples oldest first, after
+    dropping (when `now` is given) the points older than needed to span the last RATE_WINDOW_S; None before two
+    points at different times."""
+    if now is not None:
+        while len(seen) > 2 and now - seen[1][0] >= RATE_WINDOW_S:
+            seen.popleft()
+    if len(seen) < 2 or seen[-1][0] <= seen[0][0]:
+        return None
+    first, last = seen[0], seen[-1]
+    span = last[0] - first[0]
+    return tuple((b - a) / span for a, b in zip(first[1:], last[1:]))
+
+
 class Progress:
     """Progress of long work: a tqdm bar (rate, ETA) on a terminal, else a log line at most every `every_s` seconds
     (or whenever asked), with done/total, rate and ETA. Only the process that shows it creates one with show=True."""
@@ -311,6 +330,7 @@ class Progress:
         self.total, self.unit, self.desc, self.every_s = total, unit, desc, every_s
         self.done = self.start_done = initial
         self.t0 = self.last = time.perf_counter()
+        self._seen: deque[tuple[float, int]] = deque()  # (time, done) at each update, for the ETA's recent rate
         self.show = show
         self.log = logger or log
         self.bar = None
@@ -320,9 +340,11 @@ class Progress:
             self.bar = tqdm(total=total, initial=initial, unit=unit, desc=desc, dynamic_ncols=True, file=sys.stderr)
 
     def eta(self) -> float:
-        """Return the seconds left at this run's rate so far (inf before anything was done)."""
-        rate = (self.done - self.start_done) / max(time.perf_counter() - self.t0, 1e-9)
-        return (self.total - self.done) / rate if rate > 0 else float("inf")
+        """Return the seconds left at the rate of the last RATE_WINDOW_S of updates, counted from the first update,
+        not from the start: a start-up (a model's load, compiles, autotuning on the first batches) would hold the
+        rate down and the ETA up for a long while; inf before two updates."""
+        rate = window_rate(self._seen)
+        return (self.total - self.done) / rate[0] if rate is not None and rate[0] > 0 else float("inf")
 
     def set_total(self, total: int) -> None:
         """Take a new estimate of the total."""
@@ -331,22 +353,23 @@ class Progress:
             self.bar.total = total
             self.bar.refresh()
 
-    def update(self, n: int = 0, *, to: int | None = None, detail: str = "", force: bool = False,
-               eta: float | None = None) -> None:
-        """Advance by n (or to `to`) and show `detail` (e.g. "1,234 tok/s"): on the bar, or in a due log line with
-        the ETA (`eta` seconds where the caller knows better, e.g. from a recent rate; else this run's rate so far)."""
+    def update(self, n: int = 0, *, to: int | None = None, detail: str = "", force: bool = False) -> None:
+        """Advance by n (or to `to`) and show `detail` (e.g. "1,234 tok/s"): on the bar, or in a due log line."""
         self.done = to if to is not None else self.done + n
+        now = time.perf_counter()
+        if n or to is not None:
+            self._seen.append((now, self.done))
+            window_rate(self._seen, now)  # drops what fell out of the window
         if not self.show:
             return
         if self.bar is not None:
             self.bar.n = self.done
             self.bar.set_postfix_str(detail, refresh=True)
             return
-        now = time.perf_counter()
         if force or now - self.last >= self.every_s or self.done >= self.total:
             self.last = now
             self.log.info("%s: %d/%d %ss, %s%sETA %s", self.desc, self.done, self.total, self.unit, detail,
-                          ", " if detail else "", format_eta(self.eta() if eta is None else eta))
+                          ", " if detail else "", format_eta(self.eta()))
 
     def note(self, text: str) -> None:
         """Show a state that is not progress (e.g. waiting for data)."""

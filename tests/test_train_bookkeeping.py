@@ -78,3 +78,33 @@ def test_the_progress_line_gives_query_tokens_and_mfu_beside_context_tokens(tmp_
     text = caplog.text
     assert "12,345 ctx tok/s 6,789 query tok/s MFU 40.4%" in text
     assert text.count("MFU") == 1
+
+
+def test_a_resumed_runs_eta_comes_from_its_steps_not_its_start_up(tmp_path, monkeypatch, caplog):
+    """train's log line: the ETA of a run resumed at step 400 of 1,000 that spent 5 minutes loading and compiling
+    before its first step is its steps' own pace (2 s a step), and follows a change of pace within a minute."""
+    import logging
+    import types
+
+    from dflash.runtime import process
+    from dflash.train.metrics import RunLog
+
+    clock = [50.0]
+    monkeypatch.setattr(process, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    runlog = RunLog(tmp_path, total_steps=1000, start_step=400, tensorboard=False)
+    clock[0] += 300.0  # the start-up: load, compile
+
+    def step(n: int) -> None:
+        runlog.step({"step": n, "epoch": 0, "loss": 1.0, "acc": 0.5, "tau_hat": 1.5, "lr": 1e-4, "tokens_per_s": 1e4,
+                     "query_tokens_per_s": 1e3, "mfu": None, "data_wait": 0.0, "grad_norm": 1.0, "prefetch_depth": 2})
+
+    with caplog.at_level(logging.INFO, logger="dflash.train.metrics"):
+        for n in range(401, 451):
+            clock[0] += 2.0
+            step(n)
+        assert caplog.records[-1].getMessage().endswith("ETA 0:18:20"), caplog.records[-1].getMessage()  # 550 x 2 s
+        for n in range(451, 531):  # then twice as fast, for more than the minute the rate is taken over
+            clock[0] += 1.0
+            step(n)
+        assert caplog.records[-1].getMessage().endswith("ETA 0:07:50"), caplog.records[-1].getMessage()  # 470 x 1 s
+    runlog.close()

@@ -12,9 +12,9 @@ import signal
 import socket
 import sys
 import threading
-from collections import deque
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -23,7 +23,7 @@ from ..errors import DflashError
 
 __all__ = ["LOG_FORMAT", "setup_logging", "LossyStream", "guard_std_streams", "lost_output", "UNUSED_PACKAGES",
            "skip_unused_packages", "Ranks", "ranks_from_env", "Terminated", "install_signal_handlers",
-           "interrupt_exit_code", "deferred_signals", "launch", "Progress", "format_eta"]
+           "interrupt_exit_code", "deferred_signals", "launch", "Progress", "format_eta", "window_rate", "RATE_WINDOW_S"]
 
 log = logging.getLogger(__name__)
 

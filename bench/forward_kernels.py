@@ -103,6 +103,19 @@ def trace_forward(runner: Any, ids: torch.Tensor, device: torch.device, label: s
           + table.table(sort_by=key, row_limit=25), flush=True)
 
 
+def parse_also(spec: str) -> tuple[Any, bool]:
+    """Return (Kernels, compiled) of an --also entry "attention,experts[,compile]" (experts empty for a dense
+    target: "sdpa,,compile"); compile: every decoder layer under torch.compile (dynamic shapes), its first cold pass
+    counting the compilation."""
+    from dflash.targets import kernels
+
+    parts = spec.split(",")
+    if len(parts) not in (2, 3) or not parts[0] or (len(parts) == 3 and parts[2] != "compile"):
+        raise SystemExit(f"--also {spec!r}: expected attention,experts or attention,experts,compile "
+                         "(experts empty for a dense target), e.g. sdpa,dflash_grouped_mm,compile")
+    return kernels.Kernels(parts[0], parts[1] or None), len(parts) == 3
+
+
 def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.device, only: str | None = None,
                        trace: bool = False, floors: tuple[int, ...] = (0,), also: tuple[str, ...] = ()) -> list[dict]:
     """Return, per kernel choice dflash would try for this target (targets/kernels.candidates) and per packing floor
@@ -121,9 +134,7 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
     name, peak = device_peak(str(device))
     out = []
     experts.register()
-    # --also: "attention,experts[,compile]"; compile: every decoder layer under torch.compile (dynamic shapes), its
-    # cold pass counting the compilation
-    extra = [(kernels.Kernels(*a.split(",")[:2]), a.endswith(",compile")) for a in also]
+    extra = [parse_also(a) for a in also]
     tried = [(k, False) for k in kernels.candidates(model, runner.kinds, device) if only is None or str(k) == only]
     last = None
     for (k, compiled), floor in ((kc, f) for kc in tried + [kc for kc in extra if kc not in tried] for f in floors):
@@ -139,6 +150,8 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
         flops = sum(runner.flops.total(lens) for _, lens in batches)
         row = {"kernels": str(k) + (", compiled" if compiled else ""), "tokens": tokens,
                "flops_per_token": round(flops / tokens)}
+        if (k, compiled) not in tried:
+            row["also"] = True  # not a choice extract makes: never the "best forward" the command is held to
         if floors != (0,):
             row |= {"floor_tokens": floor, "forwards": len(batches),
                     "padded_tokens": sum(ids.numel() for ids, _ in batches)}
@@ -152,8 +165,8 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
                     runner.hidden(ids.to(device, non_blocking=True))
                 _sync(device)
                 row[f"{name_}_tok_s"] = round(tokens / (time.perf_counter() - t0))
-            if trace and floor == floors[0] and (k, compiled) not in extra:
-                trace_forward(runner, batches[0][0], device, str(k))
+            if trace and floor == floors[0]:
+                trace_forward(runner, batches[0][0], device, row["kernels"])
         except Exception as e:  # noqa: BLE001 - out of memory (batched experts), a kernel this machine lacks
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             if device.type == "cuda":
@@ -183,7 +196,8 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     forwards = forward_by_kernels(folder, data, work / "store", device, said["kernels"] if args.only_chosen else None,
                                   trace=args.trace, floors=tuple(int(f) for f in args.floors.split(",")),
                                   also=tuple(a for a in args.also.split(";") if a))
-    done = [f for f in forwards if "warm_tok_s" in f and not f.get("floor_tokens")]  # the command's own packing
+    # the command's own packing and kernel choices: what extract could have run
+    done = [f for f in forwards if "warm_tok_s" in f and not f.get("floor_tokens") and not f.get("also")]
     best = max(done, key=lambda f: f["warm_tok_s"]) if done else None
     out = {"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
                                      **said}, "forwards": forwards, "best": best}
@@ -227,7 +241,9 @@ def main() -> None:
     ap.add_argument("--also", default="",
                     help="semicolon-separated attention,experts pairs to time after the command's candidates (with "
                          "--only-chosen, after its choice), e.g. sdpa,dflash_grouped_mm (targets/experts.py); a third "
-                         "field ',compile' runs every decoder layer under torch.compile (dynamic shapes)")
+                         "field ',compile' runs every decoder layer under torch.compile (dynamic shapes); a dense "
+                         "target's experts field is empty (sdpa,,compile). Never the best forward the command is "
+                         "held to: extract does not run them")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     ap.add_argument("--trace", action="store_true",
                     help="after each kernel choice's warm pass, one more forward under torch.profiler: its costliest "
@@ -236,6 +252,8 @@ def main() -> None:
                     help="the command's --codec (default: its own, blosc); with another --work than a run of another "
                          "codec's: whether a shape's extraction waits on the disk (issue 44's DeepSeek-V3 cut)")
     args = ap.parse_args()
+    for a in (a for a in args.also.split(";") if a):
+        parse_also(a)  # a misspelt entry ends the run before its first case, not after it
     if args.smoke:
         args.tokens = min(args.tokens, 6_000)
     device = torch.device("cpu" if args.smoke else "cuda:0")

@@ -24,11 +24,12 @@
 #   PART 12: issue 44's MoE forward: the Qwen3-30B-A3B shape's chosen kernels over the command's batches and over
 #           fewer, fuller ones (--floors 0,16384,32768: do its grouped GEMMs want more rows an expert?), with the
 #           first under torch.profiler
+#   PART 13: the rest of issue 40 and a first answer for issue 44, one call: the Qwen3.6-27B shape resident and
+#           offloaded (200K tokens), then part 12's MoE floors (100K tokens, the first under torch.profiler) in the
+#           time left, then the compiled layers and targets/experts.py's forward (bench/forward_kernels.py --also)
 #   PART 14: issue 44's MoE forward past the sentinel masks and the elementwise passes part 13's trace found: the
 #           Qwen3-30B-A3B and gpt-oss-20b shapes' chosen kernels beside targets/experts.py's forward and beside every
 #           decoder layer compiled (bench/forward_kernels.py --also)
-#   PART 13: the rest of issue 40 and a first answer for issue 44, one call: the Qwen3.6-27B shape resident and
-#           offloaded (200K tokens), then part 12's MoE floors (100K tokens, the first under torch.profiler) in the time left
 # Any part keeps a carried .g1/part in /tmp/g1part for part 5.
 set -u
 source bench/device_env.sh || exit 1
@@ -127,16 +128,17 @@ case "${1:-1}" in
   ;;
 12)
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 150000 \
-    --floors 0,16384,32768 --trace --also "sdpa,grouped_mm,compile;sdpa,dflash_grouped_mm;sdpa,dflash_grouped_mm,compile" > "$OUT/fk_qwen3_moe_floors.txt" 2>&1; echo "fk floors exit $?" >> "$OUT/gpu.txt"
+    --floors 0,16384,32768 --trace > "$OUT/fk_qwen3_moe_floors.txt" 2>&1; echo "fk floors exit $?" >> "$OUT/gpu.txt"
   ;;
 13)
   timeout "$(left 380)" python3 bench/offload.py --work /tmp/bo --case qwen36_27b --tokens 200000 --runs resident,offloaded \
     > "$OUT/offload27.txt" 2>&1; echo "offload27 exit $?" >> "$OUT/gpu.txt"
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 100000 \
-    --floors 0,16384,32768 --trace --also "sdpa,grouped_mm,compile;sdpa,dflash_grouped_mm;sdpa,dflash_grouped_mm,compile" > "$OUT/fk_qwen3_moe_floors.txt" 2>&1; echo "fk floors exit $?" >> "$OUT/gpu.txt"
+    --floors 0,16384,32768 --trace --also "sdpa,grouped_mm,compile;sdpa,dflash_grouped_mm;sdpa,dflash_grouped_mm,compile" \
+    > "$OUT/fk_qwen3_moe_floors.txt" 2>&1; echo "fk floors exit $?" >> "$OUT/gpu.txt"
   ;;
 14)
-  timeout 280 python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 100000 \
+  timeout 280 python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 100000 --trace \
     --also "sdpa,dflash_grouped_mm;sdpa,dflash_grouped_mm,compile;sdpa,grouped_mm,compile" \
     > "$OUT/fk_qwen3_moe_lean.txt" 2>&1; echo "fk qwen3_30b_a3b lean exit $?" >> "$OUT/gpu.txt"
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case gpt_oss_20b --only-chosen --tokens 100000 \

@@ -7,7 +7,7 @@ from collections import deque
 from typing import Any
 
 from ..runtime.process import Progress as Display
-from ..runtime.process import window_rate
+from ..runtime.process import prune_window, window_rate
 from .perf import perf_line
 
 __all__ = ["Progress", "summarise", "format_summary"]
@@ -50,7 +50,8 @@ class Progress:
         now = time.perf_counter()
         if kind == "batch":
             self._seen.append((now, self.samples, self.tokens))
-        rate = window_rate(self._seen, now)
+            prune_window(self._seen, now)
+        rate = window_rate(self._seen)
         speed = (f"{rate[1]:,.0f} tok/s, {rate[0]:,.1f} samples/s" if rate is not None
                  else "rates from the second batch on")
         detail = f"{self.shards} shards, {speed}, {self.bytes / 1e9:.2f} GB written"

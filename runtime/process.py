@@ -23,7 +23,8 @@ from ..errors import DflashError
 
 __all__ = ["LOG_FORMAT", "setup_logging", "LossyStream", "guard_std_streams", "lost_output", "UNUSED_PACKAGES",
            "skip_unused_packages", "Ranks", "ranks_from_env", "Terminated", "install_signal_handlers",
-           "interrupt_exit_code", "deferred_signals", "launch", "Progress", "format_eta", "window_rate", "RATE_WINDOW_S"]
+           "interrupt_exit_code", "deferred_signals", "launch", "Progress", "format_eta", "window_rate",
+           "prune_window", "RATE_WINDOW_S"]
 
 log = logging.getLogger(__name__)
 
@@ -307,13 +308,16 @@ def format_eta(seconds: float) -> str:
 RATE_WINDOW_S = 60.0
 
 
-def window_rate(seen: Any, now: float | None = None) -> tuple[float, ...] | None:
-    """Return each counter's rate a second over `seen`, a deque of (time, counter, ...) tuples oldest first, after
-    dropping (when `now` is given) the points older than needed to span the last RATE_WINDOW_S; None before two
-    points at different times."""
-    if now is not None:
-        while len(seen) > 2 and now - seen[1][0] >= RATE_WINDOW_S:
-            seen.popleft()
+def prune_window(seen: deque[tuple[float, ...]], now: float) -> None:
+    """Drop from `seen` (time, counter, ...) points oldest first, keeping two at least and the newest one older than
+    RATE_WINDOW_S, so that what is left spans the last RATE_WINDOW_S (or all there is)."""
+    while len(seen) > 2 and now - seen[1][0] >= RATE_WINDOW_S:
+        seen.popleft()
+
+
+def window_rate(seen: deque[tuple[float, ...]]) -> tuple[float, ...] | None:
+    """Return each counter's rate a second between the oldest and the newest of `seen`'s (time, counter, ...)
+    points; None before two points at different times."""
     if len(seen) < 2 or seen[-1][0] <= seen[0][0]:
         return None
     first, last = seen[0], seen[-1]
@@ -328,9 +332,11 @@ class Progress:
     def __init__(self, total: int, *, unit: str, desc: str, show: bool = True, every_s: float = 10.0,
                  initial: int = 0, logger: logging.Logger | None = None) -> None:
         self.total, self.unit, self.desc, self.every_s = total, unit, desc, every_s
-        self.done = self.start_done = initial
-        self.t0 = self.last = time.perf_counter()
-        self._seen: deque[tuple[float, int]] = deque()  # (time, done) at each update, for the ETA's recent rate
+        self.done = initial
+        self.last = time.perf_counter()
+        # (time, done) where done changed: the ETA's rate. Only changes count, so a count that moves in steps (a
+        # launched run's rank 0 shows the rows of committed shards, read every 5 s) is timed from step to step.
+        self._seen: deque[tuple[float, int]] = deque()
         self.show = show
         self.log = logger or log
         self.bar = None
@@ -342,7 +348,7 @@ class Progress:
     def eta(self) -> float:
         """Return the seconds left at the rate of the last RATE_WINDOW_S of updates, counted from the first update,
         not from the start: a start-up (a model's load, compiles, autotuning on the first batches) would hold the
-        rate down and the ETA up for a long while; inf before two updates."""
+        rate down and the ETA up for a long while; inf before the count moved twice."""
         rate = window_rate(self._seen)
         return (self.total - self.done) / rate[0] if rate is not None and rate[0] > 0 else float("inf")
 
@@ -357,9 +363,9 @@ class Progress:
         """Advance by n (or to `to`) and show `detail` (e.g. "1,234 tok/s"): on the bar, or in a due log line."""
         self.done = to if to is not None else self.done + n
         now = time.perf_counter()
-        if n or to is not None:
+        if not self._seen or self.done != self._seen[-1][1]:
             self._seen.append((now, self.done))
-            window_rate(self._seen, now)  # drops what fell out of the window
+            prune_window(self._seen, now)
         if not self.show:
             return
         if self.bar is not None:

@@ -2,21 +2,25 @@
 parallelism need of them, registered with transformers as the experts implementation `NAME`.
 
 transformers' `grouped_mm` experts serve training and expert parallelism too, so beside the two grouped GEMMs a layer
-passes its rows through work a forward under no_grad on one rank does not need: in 5.17 two out-of-place masks of
-every row (expert-parallel sentinels, 5.25 skips them off EP), a product by the routing weights, an inverse
-permutation built and gathered, then a sum over the top-k. Here the rows are sorted by expert once, run through the
-same grouped GEMMs (transformers' `_grouped_mm`, so the same kernel on every device), written back to token order by
-one scatter, and the routing weights and the sum over the top-k are one batched matmul (its products accumulate in
-float32, as the sum does there). Where a module needs more than this covers (gradients, expert parallelism, a norm
-after each expert), transformers' own forward runs instead. `targets/kernels.choose` checks it against the model's
-eager float32 forward like any other candidate, and it is offered only on CUDA, where the passes it saves are memory
-traffic the GPU waits on.
+passes its rows through work a forward under no_grad on one rank does not need: in 5.17 three masks a layer of every
+routed row (expert-parallel sentinels, two of them out of place; 5.25 skips them off expert parallelism), a product by
+the routing weights, an inverse permutation built and gathered, then a sum over the top-k. Here the rows are sorted
+by expert once, run through the same grouped GEMMs (transformers' `_grouped_mm`, so the same kernel on every device),
+written back to token order by one scatter, and the routing weights and the sum over the top-k are one batched
+matmul in the rows' dtype (its products accumulate in float32; a float32 router's weights, DeepSeek-V3's, are rounded
+to bf16 once, 2**-9 relative, the rounding the sum's result gets there anyway). Under autograd, with experts split
+over ranks (transformers 5.25's flag; dflash never splits them: FSDP2 gathers every expert's weights), or with a norm
+after each expert, transformers' own forward runs instead.
+
+It is not among the kernels extract tries (targets/kernels.candidates): on one H200 transformers 5.17's masks were
+16% of a Qwen3-30B-A3B-shaped forward (bench/RESULTS.md, issue 44), but no GPU run has timed this forward yet.
+`bench/forward_kernels.py --also sdpa,dflash_grouped_mm` does.
 """
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["NAME", "available", "register", "forward"]
+__all__ = ["NAME", "register", "forward"]
 
 NAME = "dflash_grouped_mm"
 
@@ -29,11 +33,6 @@ def _transformers_parts() -> tuple[Any, Any] | None:
     except ImportError:
         return None
     return _grouped_mm, grouped_mm_experts_forward
-
-
-def available() -> bool:
-    """Return True if this transformers can take the experts implementation (registering it first)."""
-    return register()
 
 
 def register() -> bool:
@@ -70,9 +69,9 @@ def forward(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any)
                          bins=self.num_experts, min=0, max=self.num_experts - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     if self.has_gate:
-        weight, bias = self.gate_up_proj, getattr(self, "gate_up_proj_bias", None) if self.has_bias else None
+        weight, bias = self.gate_up_proj, (self.gate_up_proj_bias if self.has_bias else None)
     else:
-        weight, bias = self.up_proj, getattr(self, "up_proj_bias", None) if self.has_bias else None
+        weight, bias = self.up_proj, (self.up_proj_bias if self.has_bias else None)
     dtype = weight.dtype
     up = mm(rows.to(dtype), weight if self.is_transposed else weight.transpose(-2, -1), offs=offsets)
     if bias is not None:
@@ -82,7 +81,7 @@ def forward(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any)
     down_w = self.down_proj
     out = mm(act.to(down_w.dtype), down_w if self.is_transposed else down_w.transpose(-2, -1), offs=offsets)
     del act
-    if self.has_bias and getattr(self, "down_proj_bias", None) is not None:
+    if self.has_bias:
         out.add_(self.down_proj_bias.index_select(0, sorted_experts))
     by_token = torch.empty_like(out)
     by_token.index_copy_(0, order, out)  # back to token order: row t * k + j is token t's j-th expert

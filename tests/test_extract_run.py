@@ -254,8 +254,55 @@ def test_progress_rates_and_eta_leave_the_start_up_out(monkeypatch, caplog):
     assert "10,000 tok/s, 5.0 samples/s" in line, line
     assert line.endswith("ETA 0:02:18"), line  # 690 rows left at 5 a second
     with caplog.at_level(logging.INFO, logger="dflash.extract.progress"):
-        for _ in range(40):  # a slowdown to a quarter: 10 rows every 8 s
+        for i in range(40):  # a slowdown to a quarter: 10 rows every 8 s
             clock[0] += 8.0
             p.update({"kind": "batch", "samples": 10, "tokens": 20_000})
+            if i == 7:  # 64 s into it the rates are the new pace's alone
+                assert prog.window_rate(p._seen) == (1.25, 2_500.0)
     line = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()][-1]
     assert "2,500 tok/s, 1.2 samples/s" in line and line.endswith("ETA 0:03:52"), line  # 290 rows at 1.25 a second
+
+
+def test_a_launched_ranks_eta_follows_the_committed_shards_steps(monkeypatch, caplog):
+    """Rank 0 of a launched run shows the rows of every rank's committed shards, a count that moves a shard at a
+    time (here 500 rows every 150 s, the pace of a large offloaded target): its ETA is timed from commit to commit,
+    never '?' once two commits were seen, not a rate of the last minute's 5-s reads."""
+    import logging
+    import re
+    import types
+
+    from dflash.extract import progress as prog
+    from dflash.runtime import process
+
+    clock = [0.0]
+    fake = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(prog, "time", fake)
+    monkeypatch.setattr(process, "time", fake)
+    monkeypatch.setattr(prog.Display, "__init__", _no_tty(prog.Display.__init__))
+    committed = [0]
+    p = prog.Progress(10_000, show=True, run_rows=lambda: committed[0], world=4)
+    etas = []
+    with caplog.at_level(logging.INFO, logger="dflash.extract.progress"):
+        for second in range(2, 901, 2):  # a batch every 2 s on this rank, a commit (by some rank) every 150 s
+            clock[0] = float(second)
+            if second % 150 == 0:
+                committed[0] += 500
+            p.update({"kind": "batch", "samples": 1, "tokens": 1_000})
+            msg = caplog.records[-1].getMessage() if caplog.records else ""
+            if second > 300 and "ETA" in msg:
+                etas.append(re.search(r"ETA (\S+)$", msg).group(1))
+    assert etas and "?" not in etas, etas
+    assert etas[-1] == "0:37:30", etas[-5:]  # 7,000 rows left at 500 every 150 s
+    p.close()
+
+
+def _no_tty(init):
+    """runtime.Progress as on a run whose stderr is a log file (log lines, no tqdm bar), whatever runs the test."""
+
+    def wrapped(self, *a, **k):
+        init(self, *a, **k)
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    return wrapped

@@ -106,5 +106,7 @@ def test_a_resumed_runs_eta_comes_from_its_steps_not_its_start_up(tmp_path, monk
         for n in range(451, 531):  # then twice as fast, for more than the minute the rate is taken over
             clock[0] += 1.0
             step(n)
+            if n == 511:  # 61 s into it the ETA is the new pace's alone
+                assert runlog.progress.eta() == 1000 - 511
         assert caplog.records[-1].getMessage().endswith("ETA 0:07:50"), caplog.records[-1].getMessage()  # 470 x 1 s
     runlog.close()

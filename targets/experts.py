@@ -25,21 +25,9 @@ __all__ = ["NAME", "register", "forward"]
 NAME = "dflash_grouped_mm"
 
 
-def _transformers_parts() -> tuple[Any, Any] | None:
-    """Return transformers' (grouped GEMM dispatcher, grouped_mm experts forward), or None where this transformers has
-    no grouped experts."""
-    try:
-        from transformers.integrations.moe import _grouped_mm, grouped_mm_experts_forward
-    except ImportError:
-        return None
-    return _grouped_mm, grouped_mm_experts_forward
-
-
 def register() -> bool:
-    """Register `forward` with transformers' experts interface as NAME, once; False where it cannot be."""
-    parts = _transformers_parts()
-    if parts is None:
-        return False
+    """Register `forward` with transformers' experts interface as NAME, once; False where this transformers has no
+    grouped experts."""
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
     except ImportError:
@@ -53,8 +41,8 @@ def forward(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any)
     """The experts of one layer for every token: [T, H] hidden states, [T, k] expert indices and routing weights ->
     [T, H], the routing-weighted sum of each token's k experts."""
     import torch
+    from transformers.integrations.moe import _grouped_mm as mm, grouped_mm_experts_forward as theirs
 
-    mm, theirs = _transformers_parts()  # type: ignore[misc]
     if (torch.is_grad_enabled() or getattr(self, "_is_expert_parallel", False)
             or getattr(self, "has_post_expert_norm", False)):
         return theirs(self, hidden_states, top_k_index, top_k_weights)
@@ -72,8 +60,7 @@ def forward(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any)
         weight, bias = self.gate_up_proj, (self.gate_up_proj_bias if self.has_bias else None)
     else:
         weight, bias = self.up_proj, (self.up_proj_bias if self.has_bias else None)
-    dtype = weight.dtype
-    up = mm(rows.to(dtype), weight if self.is_transposed else weight.transpose(-2, -1), offs=offsets)
+    up = mm(rows.to(weight.dtype), weight if self.is_transposed else weight.transpose(-2, -1), offs=offsets)
     if bias is not None:
         up.add_(bias.index_select(0, sorted_experts))
     act = self._apply_gate(up) if self.has_gate else self.act_fn(up)

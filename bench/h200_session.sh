@@ -10,8 +10,9 @@
 #   PART 5: the GPU demo (`dflash demo --device cuda`, the blosc arm of issue 41's codec A/B); the GGUF travels in two
 #           halves: .g1/part (its first 50,000,000 bytes) with an earlier call, kept in /tmp/g1part, .g2/part with this
 #   PART 6: the demo finished if a limit cut it, then bench/codec_ab.py --demo on it (the uq6, fp8 and uq4 arms, in
-#           that order: uq6 is the candidate for issue 41's goal; about 5.5 minutes each on an H200, and each later
-#           call continues where the last one stopped)
+#           that order: uq6 is the candidate for issue 41's goal; about 5.5 minutes each on an H200 (uq6 needed more
+#           than 9.5 on an H100 with the torch codecs, before storage/codec.py went to numpy), and each later call
+#           continues where the last one stopped)
 #   PART 7: bench/forward_kernels.py --only-chosen on the Qwen3.6-27B shape, then `pytest -m gpu tests/test_kernels.py`
 #   PART 9: issue 44's MoE gaps: the Qwen3-30B-A3B shape's forward (15% MFU) under torch.profiler (--trace: where its
 #           time goes), then the DeepSeek-V3 cut with --codec uq6 (half blosc's bytes) and with blosc: is its
@@ -30,6 +31,9 @@
 #   PART 14: issue 44's MoE forward past the sentinel masks and the elementwise passes part 13's trace found: the
 #           Qwen3-30B-A3B and gpt-oss-20b shapes' chosen kernels beside targets/experts.py's forward and beside every
 #           decoder layer compiled (bench/forward_kernels.py --also)
+#   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
+#           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
+#           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
 # Any part keeps a carried .g1/part in /tmp/g1part for part 5.
 set -u
 source bench/device_env.sh || exit 1
@@ -144,6 +148,14 @@ case "${1:-1}" in
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case gpt_oss_20b --only-chosen --tokens 100000 \
     --also "flex_attention,dflash_grouped_mm;flex_attention,dflash_grouped_mm,compile" \
     > "$OUT/fk_gpt_oss_lean.txt" 2>&1; echo "fk gpt_oss_20b lean exit $?" >> "$OUT/gpu.txt"
+  ;;
+15)
+  timeout 200 python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 100000 \
+    > "$OUT/fk_qwen3_moe_own.txt" 2>&1; echo "fk qwen3_30b_a3b own experts exit $?" >> "$OUT/gpu.txt"
+  timeout 170 python3 bench/forward_kernels.py --work /tmp/fk --case deepseek_v3_cut --only-chosen --tokens 100000 \
+    > "$OUT/fk_dsv3_own.txt" 2>&1; echo "fk deepseek_v3_cut own experts exit $?" >> "$OUT/gpu.txt"
+  timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider --show-capture=no --tb=short -W ignore -n 0 \
+    tests/test_kernels.py > "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests exit $?" >> "$OUT/gpu.txt"
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

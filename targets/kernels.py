@@ -4,8 +4,9 @@ model's own eager float32 forward: the fastest exact path for every layer kind.
 Candidates come from what transformers offers (`attn_implementation`, `experts_implementation`), never a Hub
 kernel (`use_kernels` stays off): on CUDA flash_attention_2 where flash-attn is installed and the model runs SDPA,
 flex_attention for sliding windows and attention sinks (its block mask skips what a window hides; the sinks enter
-its softmax through the log-sum-exp), SDPA, then eager; grouped GEMMs for the experts, then transformers' loop over
-experts. On the CPU flex does not take sinks, so there it is SDPA where the model supports it, else eager.
+its softmax through the log-sum-exp), SDPA, then eager; for the experts on CUDA dflash's forward-only grouped GEMMs
+(targets/experts.py), then transformers' grouped GEMMs, then its loop over experts. On the CPU flex does not take
+sinks, so there it is SDPA where the model supports it, else eager, and transformers' own experts.
 
 The check (`choose`) runs the full model once in float32 with eager attention and experts (each decoder layer
 upcast in turn, so the check needs one layer's float32 copy, not the model's), then each candidate in the run's
@@ -21,8 +22,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-__all__ = ["Kernels", "TOLERANCE", "has_experts", "current", "attention_order", "candidates", "apply", "model_states",
-           "eager_float32_states", "captured", "relative_error", "choose", "attention_backends", "accepts"]
+__all__ = ["Kernels", "TOLERANCE", "has_experts", "current", "attention_order", "experts_order", "candidates", "apply",
+           "model_states", "eager_float32_states", "captured", "relative_error", "choose", "attention_backends", "accepts"]
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +123,22 @@ def attention_order(owner: Any, kinds: list[str], device: Any) -> list[str]:
     return order + ["eager"]
 
 
+def experts_order(device: Any) -> list[str]:
+    """Return the experts implementations to try on a device, fastest first, eager last: on CUDA dflash's own
+    forward-only grouped GEMMs first (targets/experts.py: 1.28x transformers' grouped_mm on a Qwen3-30B-A3B-shaped
+    forward, one H100 with transformers 5.17, bench/RESULTS.md), then transformers' grouped GEMMs and its loop."""
+    import torch
+
+    from . import experts
+
+    own = [experts.NAME] if torch.device(device).type == "cuda" and experts.register() else []
+    return own + ["grouped_mm", "eager"]
+
+
 def candidates(model: Any, kinds: list[str], device: Any) -> list[Kernels]:
     """Return the kernels to try for a loaded target on a device, fastest first (attention_order, each with
-    grouped GEMMs for the experts, then transformers' loop over them); the last is eager attention and experts."""
-    experts = ["grouped_mm", "eager"] if has_experts(model) else [None]
+    experts_order); the last is eager attention and experts."""
+    experts = experts_order(device) if has_experts(model) else [None]
     return [Kernels(a, e) for a in attention_order(model, kinds, device) for e in experts]
 
 

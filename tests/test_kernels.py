@@ -43,11 +43,16 @@ def _load(path, dtype=torch.float32):
 
 
 def test_moe_targets_try_grouped_gemms_then_the_loop_and_dense_ones_have_no_experts(tiny_target):  # noqa: F811
+    """On the CPU transformers' grouped GEMMs, then its loop; on CUDA dflash's forward-only grouped GEMMs before both
+    (the order is the device's name: no GPU is needed to ask it)."""
     moe, dense = _load(tiny_target("qwen3_moe")), _load(tiny_target("qwen3"))
     assert kernels.candidates(moe, ["full_attention"], "cpu") == [
         Kernels("sdpa", "grouped_mm"), Kernels("sdpa", "eager"), Kernels("eager", "grouped_mm"),
         Kernels("eager", "eager")]
     assert kernels.candidates(dense, ["full_attention"], "cpu") == [Kernels("sdpa"), Kernels("eager")]
+    assert kernels.candidates(moe, ["full_attention"], torch.device("cuda", 3))[:3] == [
+        Kernels("sdpa", "dflash_grouped_mm"), Kernels("sdpa", "grouped_mm"), Kernels("sdpa", "eager")]
+    assert kernels.candidates(dense, ["full_attention"], "cuda") == [Kernels("sdpa"), Kernels("eager")]
 
 
 def test_the_float32_reference_of_a_bf16_target_is_its_float32_forward_and_leaves_it_bit_exact(tiny_target):  # noqa: F811
@@ -146,8 +151,8 @@ def test_a_bf16_run_allows_the_drift_its_own_eager_kernels_show(tiny_target, cap
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["gpt_oss", "mistral", "qwen3_moe", "deepseek_v3", "gemma3_text"])
 def test_on_cuda_the_fastest_kernels_are_exact_and_taken(arch, tiny_target, caplog):  # noqa: F811
-    """On CUDA in bf16 the first candidate (flex for sinks and windows, grouped GEMMs for experts) passes the
-    self-check on rows longer than every window, and the cut runner's features equal the eager float32 model's."""
+    """On CUDA in bf16 the first candidate (flex for sinks and windows, dflash's grouped GEMMs for experts) passes
+    the self-check on rows longer than every window, and the cut runner's features equal the eager float32 model's."""
     from transformers import AutoModelForCausalLM
 
     from dflash.targets.load import load_for_features
@@ -162,7 +167,8 @@ def test_on_cuda_the_fastest_kernels_are_exact_and_taken(arch, tiny_target, capl
     with caplog.at_level(logging.WARNING, logger="dflash"):
         runner = TargetRunner(model, list(LAYERS), check_length=4 * TINY_WINDOW)
     assert runner.kernels.attention == first.attention and not caplog.records, caplog.text
-    assert runner.kernels.attention != "eager" and runner.kernels.experts in (None, "grouped_mm")
+    assert runner.kernels.experts == first.experts in (None, "dflash_grouped_mm"), caplog.text
+    assert runner.kernels.attention != "eager"
     ids = torch.randint(0, 200, (1, 5 * TINY_WINDOW), device=dev)
     got = runner.hidden(ids)
 

@@ -72,6 +72,11 @@ def feature_dtype(codec: str) -> np.dtype:
     return np.dtype(np.uint8) if codec == "fp8" else np.dtype(np.uint16)
 
 
+# The lossy codecs' arithmetic meets inf and NaN on purpose (a non-finite row decodes to NaN, a value past the
+# format's range is clamped): numpy's warnings about them would be noise in every reader and writer thread.
+_QUIET = {"over": "ignore", "invalid": "ignore", "divide": "ignore"}
+
+
 def _float32(bits: np.ndarray) -> np.ndarray:
     """Return bf16 bits (uint16) as float32 values, exactly (a bf16 is a float32's high half)."""
     return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
@@ -201,28 +206,28 @@ def to_fp8(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     bits = np.ascontiguousarray(bits)
     q = np.empty(bits.shape, np.uint8)
     scales = np.empty(bits.shape[:2], np.float32)
-    for i in range(0, bits.shape[0], _UQ_BLOCK):
-        x = _float32(bits[i : i + _UQ_BLOCK])
-        amax = np.abs(x).max(axis=-1)
-        # Non-finite rows cannot be scaled; a zero row keeps scale 1 so decoding gives exact zeros.
-        amax = np.where(np.isfinite(amax) & (amax > 0), amax, np.float32(1))
-        scale = (amax / np.float32(FP8_MAX)).astype(np.float32)
-        with np.errstate(over="ignore"):  # a tiny scale's quotient past float32 is clamped to 448 as torch's is
-            x /= scale[..., None]
-        np.clip(x, np.float32(-FP8_MAX), np.float32(FP8_MAX), out=x)
-        q[i : i + _UQ_BLOCK] = _fp8_bits(x)
-        scales[i : i + _UQ_BLOCK] = scale
+    with np.errstate(**_QUIET):
+        for i in range(0, bits.shape[0], _UQ_BLOCK):
+            x = _float32(bits[i : i + _UQ_BLOCK])
+            amax = np.abs(x).max(axis=-1)
+            # Non-finite rows cannot be scaled; a zero row keeps scale 1 so decoding gives exact zeros.
+            amax = np.where(np.isfinite(amax) & (amax > 0), amax, np.float32(1))
+            scale = (amax / np.float32(FP8_MAX)).astype(np.float32)
+            x /= scale[..., None]  # a tiny scale's quotient past float32 is clamped to 448 below, as torch's is
+            np.clip(x, np.float32(-FP8_MAX), np.float32(FP8_MAX), out=x)
+            q[i : i + _UQ_BLOCK] = _fp8_bits(x)
+            scales[i : i + _UQ_BLOCK] = scale
     return q, scales
 
 
 def fp8_to_bf16_bits(q: np.ndarray, scale: np.ndarray, dest: np.ndarray) -> None:
     """Write bf16 bits of fp8 values q [t, L, H] times scale [t, L] into dest (uint16 [t, L, H])."""
     q, scale = np.ascontiguousarray(q), np.ascontiguousarray(scale, dtype=np.float32)
-    for i in range(0, q.shape[0], _UQ_BLOCK):
-        x = _FP8_VALUES[q[i : i + _UQ_BLOCK]]
-        with np.errstate(over="ignore", invalid="ignore"):  # as torch's product: inf past float32, NaN stays NaN
-            x *= scale[i : i + _UQ_BLOCK, :, None]
-        _to_bf16_bits(x, dest[i : i + _UQ_BLOCK])
+    with np.errstate(**_QUIET):
+        for i in range(0, q.shape[0], _UQ_BLOCK):
+            x = _FP8_VALUES[q[i : i + _UQ_BLOCK]]
+            x *= scale[i : i + _UQ_BLOCK, :, None]  # as torch's product: inf past float32, NaN stays NaN
+            _to_bf16_bits(x, dest[i : i + _UQ_BLOCK])
 
 
 def to_uq(bits: np.ndarray, divisor: int) -> tuple[np.ndarray, np.ndarray]:
@@ -238,45 +243,47 @@ def to_uq(bits: np.ndarray, divisor: int) -> tuple[np.ndarray, np.ndarray]:
     # more than all the rest of the encoding. The lower of the two middle values where their count is even.
     stride = max(1, H // 256)
     middle = (len(range(0, H, stride)) - 1) // 2
-    for i in range(0, t, _UQ_BLOCK):
-        x = _float32(bits[i : i + _UQ_BLOCK])
-        amax = np.maximum(x.max(axis=-1), -x.min(axis=-1))
-        median = np.partition(np.abs(x[..., ::stride]), middle, axis=-1)[..., middle]
-        step = np.maximum(median / np.float32(divisor), amax / np.float32(ZIGZAG_MAX))
-        # A positive step stays a normal float32, so 1 / step is finite (a row of values under 1e-34 rounds to 0).
-        step = np.where(step > 0, np.maximum(step, np.float32(_F32_TINY)), np.float32(1)).astype(np.float32)
-        finite = np.isfinite(amax)
-        if not finite.all():
-            x[~finite] = 0
-            step[~finite] = np.nan
-        steps[i : i + _UQ_BLOCK] = step
-        with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(**_QUIET):
+        for i in range(0, t, _UQ_BLOCK):
+            x = _float32(bits[i : i + _UQ_BLOCK])
+            amax = np.maximum(x.max(axis=-1), -x.min(axis=-1))
+            median = np.partition(np.abs(x[..., ::stride]), middle, axis=-1)[..., middle]
+            step = np.maximum(median / np.float32(divisor), amax / np.float32(ZIGZAG_MAX))
+            # A positive step stays a normal float32, so 1 / step is finite (a row of values under 1e-34 rounds to
+            # 0).
+            step = np.where(step > 0, np.maximum(step, np.float32(_F32_TINY)), np.float32(1)).astype(np.float32)
+            finite = np.isfinite(amax)
+            if not finite.all():
+                x[~finite] = 0
+                step[~finite] = np.nan
+            steps[i : i + _UQ_BLOCK] = step
             inv = np.where(finite, np.float32(1) / step, np.float32(0)).astype(np.float32)
-        x *= inv[..., None]
-        np.rint(x, out=x)
-        np.clip(x, np.float32(-ZIGZAG_MAX), np.float32(ZIGZAG_MAX), out=x)
-        q = x.astype(np.int32)
-        # Zigzag (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...): small magnitudes get small high bytes, which byte shuffle and
-        # zstd then store in almost nothing; the cast to 16 bits keeps the low 16 of them.
-        q = (q << 1) ^ (q >> 31)
-        z[i : i + _UQ_BLOCK] = q.astype(np.uint16)
+            x *= inv[..., None]
+            np.rint(x, out=x)
+            np.clip(x, np.float32(-ZIGZAG_MAX), np.float32(ZIGZAG_MAX), out=x)
+            q = x.astype(np.int32)
+            # Zigzag (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...): small magnitudes get small high bytes, which byte shuffle
+            # and zstd then store in almost nothing; the cast to 16 bits keeps the low 16 of them.
+            q = (q << 1) ^ (q >> 31)
+            z[i : i + _UQ_BLOCK] = q.astype(np.uint16)
     return z, steps
 
 
 def uq_to_bf16_bits(z: np.ndarray, step: np.ndarray, dest: np.ndarray) -> None:
     """Write bf16 bits of zigzagged integers z [t, L, H] (uint16) times step [t, L] into dest (uint16 [t, L, H])."""
     z, step = np.ascontiguousarray(z), np.ascontiguousarray(step, dtype=np.float32)
-    for i in range(0, z.shape[0], _UQ_BLOCK):
-        u = z[i : i + _UQ_BLOCK].astype(np.int32)
-        sign = -(u & 1)
-        u >>= 1
-        u ^= sign
-        v = u.astype(np.float32)
-        with np.errstate(over="ignore"):  # clamped below
-            v *= step[i : i + _UQ_BLOCK, :, None]
-        # Rounding to nearest may take a value near bf16's largest half a step past it: clamp it there, not to inf.
-        np.clip(v, np.float32(-_BF16_MAX), np.float32(_BF16_MAX), out=v)
-        _to_bf16_bits(v, dest[i : i + _UQ_BLOCK], nan=False)
+    with np.errstate(**_QUIET):
+        for i in range(0, z.shape[0], _UQ_BLOCK):
+            u = z[i : i + _UQ_BLOCK].astype(np.int32)
+            sign = -(u & 1)
+            u >>= 1
+            u ^= sign
+            v = u.astype(np.float32)
+            v *= step[i : i + _UQ_BLOCK, :, None]  # clamped below
+            # Rounding to nearest may take a value near bf16's largest half a step past it: clamp it there, not to
+            # inf.
+            np.clip(v, np.float32(-_BF16_MAX), np.float32(_BF16_MAX), out=v)
+            _to_bf16_bits(v, dest[i : i + _UQ_BLOCK], nan=False)
     nan = np.isnan(step)  # the integers are finite: only a row stored with step NaN (it held NaN or inf) decodes to NaN
     if nan.any():
         dest[nan] = 0x7FC0

@@ -82,15 +82,20 @@ def _float32(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+def _round_off(b: np.ndarray, drop: int) -> np.ndarray:
+    """Return uint32 bits b with their low `drop` bits rounded off (to nearest, ties to even), shifted down by them;
+    b is left as it is."""
+    r = (b >> np.uint32(drop)) & np.uint32(1)
+    r += np.uint32((1 << (drop - 1)) - 1)
+    r += b
+    r >>= np.uint32(drop)
+    return r
+
+
 def _to_bf16_bits(x: np.ndarray, dest: np.ndarray, nan: bool = True) -> None:
     """Write float32 values x as bf16 bits into dest (uint16 of x's shape), rounded to nearest, ties to even, as
     torch's conversion rounds; NaN stays NaN (0x7FC0; nan=False: the caller knows x holds none)."""
-    b = x.view(np.uint32)
-    r = (b >> np.uint32(16)) & np.uint32(1)
-    r += np.uint32(0x7FFF)
-    r += b
-    r >>= np.uint32(16)
-    dest[...] = r
+    dest[...] = _round_off(x.view(np.uint32), 16)
     if nan:
         where = np.isnan(x)
         if where.any():
@@ -102,8 +107,7 @@ def trim_mantissa(bits: np.ndarray, keep: int) -> np.ndarray:
     unchanged, and a finite value never rounds up to inf (it is truncated instead)."""
     drop = 7 - keep
     b = np.ascontiguousarray(bits).astype(np.uint32)
-    half = (1 << (drop - 1)) - 1
-    rounded = ((b + half + ((b >> drop) & 1)) >> drop << drop) & 0xFFFF
+    rounded = (_round_off(b, drop) << np.uint32(drop)) & np.uint32(0xFFFF)
     finite = (b & 0x7F80) != 0x7F80
     overflow = (rounded & 0x7F80) == 0x7F80
     out = np.where(finite & ~overflow, rounded, np.where(finite, b >> drop << drop, b))

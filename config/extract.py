@@ -34,13 +34,13 @@ class ExtractConfig(StageConfig):
                    "the target's weights are sharded, so that streaming them is small against the forward; offloaded "
                    "on a GPU, 65536 doubled while a layer's compute would not hide its copy over the host link "
                    "measured at start, as far as GPU and host memory allow; the log and --dry-run say why].")
-    codec: str = option("blosc", choices=CODECS,
-                        help="Feature encoding: blosc (lossless, ~0.69x raw bf16), none (raw), fp8 (lossy, ~0.42x), "
-                             "uq8 / uq6 / uq4 (lossy, ~0.37x / ~0.34x / ~0.31x: each token's layer row in integer "
-                             "steps of 1/8 / 1/6 / 1/4 of its median magnitude, zstd-coded; uq6 at about fp8's error), "
-                             "bf16m3 / bf16m2 / bf16m1 (lossy, ~0.45x / ~0.39x / ~0.35x: bf16 rounded to 3 / 2 / 1 of "
-                             "its 7 mantissa bits, relative error <= 1/16 / 1/8 / 1/4, no scales). Only fp8's effect "
-                             "on a GPU-trained drafter's tau is measured yet (0.988x).")
+    codec: str = option("uq6", choices=CODECS,
+                        help="Feature encoding: uq6 (lossy, ~0.35x raw bf16: each token's layer row in integer steps "
+                             "of 1/6 of its median magnitude, zstd-coded; the GPU demo's drafter measured tau 1.03x "
+                             "the lossless store's), uq8 / uq4 (the same in steps of 1/8 / 1/4, ~0.37x / ~0.31x), "
+                             "blosc (lossless, ~0.69x), none (raw), fp8 (lossy, ~0.42x, measured tau 0.988x), bf16m3 "
+                             "/ bf16m2 / bf16m1 (lossy, ~0.45x / ~0.39x / ~0.35x: bf16 rounded to 3 / 2 / 1 of its 7 "
+                             "mantissa bits, no scales). On a GPU the scaled codecs (uq, fp8) are computed on it.")
     chat_template: str | None = option(None, help="Jinja chat template file to use instead of the tokenizer's.")
     chat_template_kwargs: dict[str, Any] | None = option(
         None, parse="parse_json_object", metavar="JSON",

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..runtime.process import Progress, format_eta
-from .plan import ExtractionPlan, format_bytes, fp8_advice
+from .plan import ExtractionPlan, codec_advice, format_bytes
 from .worker import open_pipeline, prepare_shard
 
 __all__ = ["DryRun", "measure", "format_plan"]
@@ -209,7 +209,7 @@ def format_plan(dry: DryRun, out: str, codec: str) -> str:
     fits = "unknown"
     if dry.projected_left_bytes is not None and plan.free_bytes is not None:
         fits = ("yes" if dry.projected_left_bytes <= plan.free_bytes
-                else f"NO (pass {fp8_advice()}, fewer rows, another --out, or --force)")
+                else f"NO ({codec_advice(plan.codec)}fewer rows, another --out, or --force)")
     lines = [
         f"plan of {out}:",
         f"  data       {len(plan.rows):,} rows in {plan.num_shards:,} shards ({len(plan.left()):,} left to extract)",

@@ -15,6 +15,8 @@ import torch
 
 from ..errors import ResourceError
 from ..runtime.memory import free_memory, is_out_of_memory
+from ..storage.codec import SCALED_CODECS
+from ..storage import device_codec
 from ..targets.runner import TargetRunner, pad_batch
 from .plan import pack_batches
 
@@ -24,6 +26,9 @@ NUM_BUFFERS = 3  # pinned host buffers a pipeline copies features into (one bein
 # A test hook: a forward of more padded tokens than this raises torch.OutOfMemoryError, as a device that holds only
 # that many would (the CPU tests' stand-in for a GPU that runs out; never set in use).
 FAKE_OOM_ENV = "DFLASH_TEST_OOM_TOKENS"
+# Elements of a forward's features encoded on the device at a time: the encoder's float32 temporaries (a few of
+# them) stay near 256 MB each, whatever the batch.
+ENCODE_ELEMENTS = 1 << 26
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +43,10 @@ class Sample:
 
 
 class Sink(Protocol):
-    def append(self, input_ids: Any, loss_mask: Any, features: Any, sample_id: int) -> None: ...
+    """Takes each sample's features: bf16 [t, L, H]; or, when the pipeline encodes on the device, the store codec's
+    codes [t, L, H] with their float32 scales [t, L] (passed only then, as a keyword; ShardWriter.append)."""
+
+    def append(self, input_ids: Any, loss_mask: Any, features: Any, sample_id: int, scales: Any = None) -> None: ...
 
 
 @dataclass
@@ -66,6 +74,7 @@ class _Work:
     batch: list[Sample]
     buf: torch.Tensor | None
     tokens: int
+    scales: torch.Tensor | None = None  # the codes' scales [tokens, L] when buf holds a scaled codec's codes
     event: Any = None
     slot: int = -1
     sink: Sink | None = None
@@ -100,7 +109,9 @@ class _Thread:
 
 
 class HostBuffers:
-    """The pinned host buffers a CUDA pipeline copies features into, allocated on a thread.
+    """The pinned host buffers a CUDA pipeline copies features into, allocated on a thread: bf16 [rows, L, H] each
+    (or a scaled codec's codes in their first bytes), and beside each a float32 [rows, L] for the codes' scales
+    (small: always made, so the buffers do not depend on the store's codec).
 
     Page-locking them takes about a second a GB (three buffers of a 32K-token batch of an 8B target's 5 layers are
     4 GB): started before the target is loaded, the allocation runs beside the load instead of after it, on the
@@ -113,6 +124,7 @@ class HostBuffers:
         self.device = torch.device(device)
         self.num = num
         self._buffers: list[torch.Tensor] = []
+        self._scales: list[torch.Tensor] = []
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="dflash-host-buffers", daemon=True)
 
@@ -125,16 +137,19 @@ class HostBuffers:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             self._buffers = [torch.empty(self.shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(self.num)]
+            self._scales = [torch.empty(self.shape[:2], dtype=torch.float32, pin_memory=True)
+                            for _ in range(self.num)]
         except BaseException as e:  # raised where the pipeline takes the buffers
             self._error = e
 
-    def result(self) -> list[torch.Tensor]:
-        """Return the buffers once allocated (handed over: this object keeps none); raise what the allocation raised."""
+    def result(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Return (the feature buffers, the scale buffers) once allocated (handed over: this object keeps none);
+        raise what the allocation raised."""
         self._thread.join()
         if self._error is not None:
             raise self._error
-        buffers, self._buffers = self._buffers, []
-        return buffers
+        buffers, scales, self._buffers, self._scales = self._buffers, self._scales, [], []
+        return buffers, scales
 
 
 class FeaturePipeline:
@@ -144,7 +159,17 @@ class FeaturePipeline:
     writer thread waits for each copy, appends the batch's samples to the sink (the store compresses in its own
     pool) and frees the buffer. The forward loop only ever waits when every buffer is still with the writer: that
     wait is the disk's share and is measured. Host memory is bounded by num_buffers * batch_tokens * L * H * 2.
+
+    codec: the store's. Under a scaled codec (fp8, uq) on CUDA the features are encoded on the device before the
+    copy (device_codec.encode_on_device, the store's bytes exactly), and the sink gets codes and scales: the
+    store's pool threads then only compress, without the GIL, where their numpy quantising took it from the forward
+    loop at every torch op (0.62x blosc's tokens a second on an H200). Without a codec, or on the CPU, the sink
+    gets bf16 features and the store encodes them.
     """
+
+    # None: encode on the device under a scaled codec on CUDA only; True or False decides (a test turns it on for
+    # the CPU, to check the path against the store's own encoding byte for byte).
+    encode_on_device: bool | None = None
 
     def __init__(
         self,
@@ -158,6 +183,7 @@ class FeaturePipeline:
         profile: bool = False,
         buffers: HostBuffers | None = None,
         floor_tokens: int = 0,
+        codec: str | None = None,
     ) -> None:
         self.runner = runner
         # The tokens a forward costs at least (plan.pack_batches): a sharded or offloaded target's weights cross to
@@ -174,14 +200,18 @@ class FeaturePipeline:
         self.pad_id = pad_id
         self.device = runner.device
         self.cuda = self.device.type == "cuda"
+        on_device = self.cuda if self.encode_on_device is None else self.encode_on_device
+        # The codec the forward loop encodes the features in before the copy, or None (the sink gets bf16).
+        self.codec = codec if on_device and codec in SCALED_CODECS else None
         self.on_batch = on_batch
         self._buffers: list[torch.Tensor] = []
+        self._scale_buffers: list[torch.Tensor] = []
         if self.cuda:
             # buffers: allocated beside the target's load (HostBuffers) when the caller started them early.
             shape = (batch_tokens, len(runner.layer_ids), runner.hidden_size)
             if buffers is None or buffers.shape != shape:
                 buffers = HostBuffers(shape, self.device, num_buffers).start()
-            self._buffers = buffers.result()
+            self._buffers, self._scale_buffers = buffers.result()
             num_buffers = len(self._buffers)
             self._copy_stream = torch.cuda.Stream(device=self.device)
         self.num_buffers = num_buffers
@@ -239,7 +269,7 @@ class FeaturePipeline:
             lengths = [len(s.input_ids) for s in samples]
             batches = pack_batches(lengths, self.batch_tokens, floor_tokens=self.floor_tokens) if samples else []
         for idx in batches:
-            for batch, ids, lens, feats, start, end in self._forwards([samples[i] for i in idx], shard):
+            for batch, ids, lens, feats, scales, start, end in self._forwards([samples[i] for i in idx], shard):
                 stats.padded_tokens += ids.numel()
                 w0 = time.perf_counter()
                 slot = self._free.get()
@@ -251,7 +281,7 @@ class FeaturePipeline:
                     self._free.put(slot)
                     break
                 with self._stage("forward", shard):  # issuing the copy (asynchronous on CUDA)
-                    work = self._to_host(batch, feats, slot, sink, shard)
+                    work = self._to_host(batch, feats, scales, slot, sink, shard)
                     work.forward = (start, end) if start is not None else None
                     self._work.put(work)
                 stats.batches += 1
@@ -266,9 +296,10 @@ class FeaturePipeline:
         return stats
 
     def _forwards(self, batch: list[Sample], shard: int | None) -> Any:
-        """Yield (samples, ids, lengths, features, start, end) for a batch: one forward, or, where the device runs
-        out of memory, forwards of halves of it (down to one row each); a row that does not fit alone is a
-        ResourceError. Nothing of a forward that failed reached a sink, so nothing is written twice."""
+        """Yield (samples, ids, lengths, features, scales, start, end) for a batch: one forward, or, where the device
+        runs out of memory, forwards of halves of it (down to one row each); a row that does not fit alone is a
+        ResourceError. Nothing of a forward that failed reached a sink, so nothing is written twice. Features are
+        bf16 with scales None, or the codec's codes and their scales when this pipeline encodes them."""
         pending = [batch]
         while pending:
             part = pending.pop(0)
@@ -283,6 +314,9 @@ class FeaturePipeline:
                     if self._fake_oom is not None and ids.numel() > self._fake_oom:
                         raise torch.OutOfMemoryError(f"test hook: {ids.numel()} tokens > {FAKE_OOM_ENV}")
                     feats = self.runner.features(ids.to(self.device, non_blocking=True), lens)
+                    scales = None
+                    if self.codec is not None:  # inside the forward's events and its out-of-memory retry
+                        feats, scales = self._encode(feats)
                     end = self._event()
             except Exception as e:
                 if not is_out_of_memory(e):
@@ -290,7 +324,20 @@ class FeaturePipeline:
                 self._out_of_memory(part, ids, e)
                 pending[:0] = [part[: len(part) // 2], part[len(part) // 2:]]
                 continue
-            yield part, ids, lens, feats, start, end
+            yield part, ids, lens, feats, scales, start, end
+
+    def _encode(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (the codec's codes [T, L, H], float32 scales [T, L]) of a forward's features, encoded on their
+        device a slice of rows at a time (each (token, layer) row is encoded alone: slices change no byte)."""
+        T, L, H = feats.shape
+        rows = max(1, ENCODE_ELEMENTS // max(1, L * H))
+        if T <= rows:
+            return device_codec.encode_on_device(feats, self.codec)
+        codes = torch.empty((T, L, H), dtype=device_codec.stored_torch_dtype(self.codec), device=feats.device)
+        scales = torch.empty((T, L), dtype=torch.float32, device=feats.device)
+        for i in range(0, T, rows):
+            codes[i : i + rows], scales[i : i + rows] = device_codec.encode_on_device(feats[i : i + rows], self.codec)
+        return codes, scales
 
     def _out_of_memory(self, part: list[Sample], ids: torch.Tensor, error: BaseException) -> None:
         """Note a forward that ran out of memory: smaller forwards from now on, or a ResourceError for one row."""
@@ -370,11 +417,18 @@ class FeaturePipeline:
         # Pinned, so the host-to-device copy of the ids is asynchronous.
         return (ids.pin_memory() if self.cuda else ids), lens
 
-    def _to_host(self, batch: list[Sample], feats: torch.Tensor, slot: int, sink: Sink, shard: int | None) -> _Work:
+    def _to_host(self, batch: list[Sample], feats: torch.Tensor, scales: torch.Tensor | None, slot: int, sink: Sink,
+                 shard: int | None) -> _Work:
         T = feats.shape[0]
         if not self.cuda:
-            return _Work(batch, feats, T, slot=slot, sink=sink, shard=shard)
+            return _Work(batch, feats, T, scales=scales, slot=slot, sink=sink, shard=shard)
         buf = self._buffers[slot]
+        scale_buf = None
+        if scales is not None:
+            # The codes take the bf16 buffer's first bytes (fp8's half of them), as [T, L, H] of their own dtype.
+            flat = buf.view(-1).view(feats.dtype)
+            buf = flat[: feats.numel()].view(feats.shape)
+            scale_buf = self._scale_buffers[slot][:T]
         compute = torch.cuda.current_stream(self.device)
         self._copy_stream.wait_stream(compute)
         started = None
@@ -383,11 +437,16 @@ class FeaturePipeline:
                 started = torch.cuda.Event(enable_timing=True)
                 started.record(self._copy_stream)
             buf[:T].copy_(feats, non_blocking=True)
+            if scales is not None:
+                scale_buf.copy_(scales, non_blocking=True)
             event = torch.cuda.Event(enable_timing=started is not None)
             event.record(self._copy_stream)
         # The caching allocator must not hand feats' memory to the next forward before the copy has read it.
         feats.record_stream(self._copy_stream)
-        return _Work(batch, buf, T, event=event, slot=slot, sink=sink, shard=shard, started=started)
+        if scales is not None:
+            scales.record_stream(self._copy_stream)
+        return _Work(batch, buf, T, scales=scale_buf, event=event, slot=slot, sink=sink, shard=shard,
+                     started=started)
 
     def _write_loop(self) -> None:
         while True:
@@ -407,7 +466,11 @@ class FeaturePipeline:
                 off = 0
                 for s in item.batch:
                     n = len(s.input_ids)
-                    item.sink.append(s.input_ids, s.loss_mask, item.buf[off : off + n], s.row)
+                    if item.scales is None:
+                        item.sink.append(s.input_ids, s.loss_mask, item.buf[off : off + n], s.row)
+                    else:
+                        item.sink.append(s.input_ids, s.loss_mask, item.buf[off : off + n], s.row,
+                                         scales=item.scales[off : off + n])
                     off += n
                 t2 = time.perf_counter()
                 self.writer_times["copy_wait_s"] += t1 - t0

@@ -28,7 +28,7 @@ __all__ = [
     "claim_order",
     "pack_batches",
     "free_space",
-    "fp8_advice",
+    "codec_advice",
     "format_bytes",
 ]
 
@@ -46,8 +46,11 @@ CODEC_RATIO = {"blosc": 0.70, "none": 1.0, "fp8": 0.43, "uq8": 0.37, "uq6": 0.35
 # What fp8 features cost a drafter, measured (bench/RESULTS.md, "fp8's price", bench/fp8_price.py): the CPU demo's
 # drafter trained from its blosc store and from an fp8 store of the same data, scored on the same held-out prompts.
 FP8_PRICE = "on the CPU demo's drafter held-out tau_hat 1.248 -> 1.254 and measured tau 1.233 -> 1.231"
-# The same for uq6, its fewer bytes at fp8's error (bench/RESULTS.md, "A new candidate, uq", bench/codec_ab.py).
-UQ6_PRICE = "on the CPU demo's drafter held-out tau_hat 1.184 -> 1.178 and measured tau 1.260 -> 1.273"
+# The same for uq6 (the default), against the lossless blosc store: the GPU demo's drafter on one H200
+# (bench/RESULTS.md, "The codec A/B on a GPU", bench/codec_ab.py).
+UQ6_PRICE = "on the GPU demo's drafter held-out tau_hat 2.448 -> 2.476 and measured tau 2.233 -> 2.301"
+# Fewer bytes than uq6 and not measured on a drafter yet.
+UQ4_PRICE = "its price in tau is not measured yet"
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class ExtractionPlan:
     free_bytes: int | None
     device: str
     devices: int
+    codec: str = "uq6"  # the store's feature codec
 
     @property
     def num_shards(self) -> int:
@@ -142,7 +146,8 @@ class ExtractionPlan:
                              "system); pass a writable --out, or make this one writable and rerun the same command")
         raise StoreError(
             f"--out {out}: the store needs {format_bytes(need)} more but {self.free_path} has {format_bytes(free)} "
-            f"free; pass {fp8_advice()}, extract fewer rows, choose another --out, or --force to start anyway "
+            f"free; {codec_advice(self.codec)}extract fewer rows, choose another --out, or --force to start "
+            "anyway "
             "(estimated from the data; --dry-run measures it)"
         )
 
@@ -160,7 +165,8 @@ def make_plan(header: dict[str, Any], rows: Sequence[Row], scan: RowScan, commit
     free_path, free_bytes = free_space(out)
     return ExtractionPlan(rows=rows, ranges=ranges, committed=committed, raw_bytes_per_token=raw, tokens_left=tokens,
                           projected_left_bytes=int(tokens * raw * CODEC_RATIO.get(header["codec"], 1.0)),
-                          free_path=free_path, free_bytes=free_bytes, device=devices[0], devices=len(devices))
+                          free_path=free_path, free_bytes=free_bytes, device=devices[0], devices=len(devices),
+                          codec=header["codec"])
 
 
 def default_shard_size(mean_tokens_per_row: float, bytes_per_token: int, target_bytes: int = TARGET_SHARD_BYTES,
@@ -249,10 +255,13 @@ def _read_only(path: str | None) -> bool:
         return False
 
 
-def fp8_advice() -> str:
-    """Return the suggestion of the lossy codecs, fp8 and uq6, with what each saves and was measured to cost."""
-    return (f"--codec fp8 (about {CODEC_RATIO['fp8']:.2f}x of raw bf16; {FP8_PRICE}) or --codec uq6 (about "
-            f"{CODEC_RATIO['uq6']:.2f}x; {UQ6_PRICE})")
+def codec_advice(codec: str) -> str:
+    """Return the suggestion of the lossy codec with fewer bytes than `codec` (uq6, else uq4), with what it saves and
+    was measured to cost, ending in ", "; empty where `codec` is as small as these."""
+    for smaller, price in (("uq6", UQ6_PRICE), ("uq4", UQ4_PRICE)):
+        if CODEC_RATIO[smaller] < CODEC_RATIO.get(codec, 1.0):
+            return f"pass --codec {smaller} (about {CODEC_RATIO[smaller]:.2f}x of raw bf16; {price}), "
+    return ""
 
 
 def format_bytes(n: float | None) -> str:

@@ -169,10 +169,11 @@ def sharded_runner(cfg: "ExtractConfig", header: dict[str, Any], device: Any) ->
 
 def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, pad_id: int,
                      on_batch: Callable[[int, int], None] | None = None, timeline: Any = None,
-                     runner: Any = None, buffers: Any = None) -> Any:
+                     runner: Any = None, buffers: Any = None, codec: str | None = None) -> Any:
     """Return the feature pipeline of the target on `device` (loaded and checked now unless `runner` is the
     target's runner already made; buffers: its host buffers already being allocated, else they are allocated
-    beside this load)."""
+    beside this load; codec: the store's, which a CUDA pipeline encodes fp8 and uq features in before their copy
+    to the host, or None to hand the sink bf16 features)."""
     import contextlib
 
     import torch
@@ -201,7 +202,7 @@ def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, 
             runner = feature_runner(cfg, header, model)
     with stage("host_buffers"):  # waiting for the pinned host buffers features are copied into
         return FeaturePipeline(runner, cfg.batch_tokens, pad_id=pad_id, on_batch=on_batch, timeline=timeline,
-                               profile=profile, buffers=buffers, floor_tokens=batch_floor(cfg))
+                               profile=profile, buffers=buffers, floor_tokens=batch_floor(cfg), codec=codec)
 
 
 def open_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str,
@@ -243,7 +244,7 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
         pipeline = feature_pipeline(
             cfg, header, spec.device, pad_id,
             on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}),
-            timeline=tl, runner=runner, buffers=buffers)
+            timeline=tl, runner=runner, buffers=buffers, codec=store.header["codec"])
         loaded["load_s"] = runner_s + time.perf_counter() - t_start
         made.append(pipeline)
         return pipeline

@@ -48,9 +48,11 @@ class ShardData:
 
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # bool [T]
-    features: "torch.Tensor"  # bfloat16 [T, L, H]
+    features: "torch.Tensor"  # bfloat16 [T, L, H]; read with raw=True from a scaled codec's store: its stored codes
     offsets: np.ndarray  # int64 [N + 1]
     sample_ids: np.ndarray  # int64 [N]
+    scales: "torch.Tensor | None" = None  # float32 [T, L] beside stored codes (device_codec.decode_on_device)
+    codec: str | None = None  # the store's codec where features hold its stored codes
 
     @property
     def num_samples(self) -> int:
@@ -66,6 +68,12 @@ class ShardData:
         """Return views (input_ids, loss_mask, features) of sample i."""
         s, e = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.input_ids[s:e], self.loss_mask[s:e], self.features[s:e]
+
+    def sample_scales(self, i: int) -> "torch.Tensor | None":
+        """Return a view of sample i's scales [t, L] where features hold stored codes, else None."""
+        if self.scales is None:
+            return None
+        return self.scales[int(self.offsets[i]) : int(self.offsets[i + 1])]
 
 
 def load_record(fs: StoreFS, shard_id: int, verify: bool = True, header_xxh3: str | None = None) -> dict:
@@ -169,19 +177,26 @@ def _decode(fs: StoreFS, shard_id: int, rel: str, stored: Any, dest: np.ndarray,
 
 
 def read_features(
-    fs: StoreFS, shard_id: int, record: dict, start: int, stop: int, dest: np.ndarray, verify: bool = True
+    fs: StoreFS, shard_id: int, record: dict, start: int, stop: int, dest: np.ndarray, verify: bool = True,
+    scales_out: np.ndarray | None = None,
 ) -> None:
-    """Fill dest (uint16 bf16 bits [stop - start, L, H]) with feature rows start..stop of a shard, chunks in parallel."""
+    """Fill dest (uint16 bf16 bits [stop - start, L, H]) with feature rows start..stop of a shard, chunks in parallel.
+
+    With scales_out (float32 [stop - start, L]; a scaled codec's store only), dest (of the stored dtype) gets the
+    stored codes and scales_out their scales, for the device to decode (device_codec.decode_on_device)."""
     spec = record["arrays"]["features"]
     C, L, H = (int(x) for x in spec["chunk_shape"])
     codec = record["codec"]
     compressed, scaled = codec != "none", codec in SCALED_CODECS
     stored_dtype = np.dtype(spec["dtype"])
+    raw = scales_out is not None
+    if raw and not scaled:
+        raise StoreError(f"{fs.display(shard_dir(shard_id))}: stored codes asked of a {codec!r} store, which has none")
 
     def one(i: int) -> None:
         lo, hi = max(start, i * C), min(stop, (i + 1) * C)
         rel = f"features/c.{i}.0.0"
-        if not scaled and lo == i * C and hi == (i + 1) * C:  # a whole chunk: decode (or read) straight into dest
+        if (raw or not scaled) and lo == i * C and hi == (i + 1) * C:  # a whole chunk: straight into dest
             target = dest[lo - start : hi - start]
             view = memoryview(target).cast("B")
             # Uncompressed bytes land in dest itself when O_DIRECT can take it (aligned), else via a buffer.
@@ -189,6 +204,8 @@ def read_features(
             stored = _read_file(fs, shard_id, record, rel, into, verify)
             if into is None:
                 _decode(fs, shard_id, rel, stored, target, compressed)
+            if raw:
+                _read_scales(i, scales_out[lo - start : hi - start])
             return
         tmp = np.empty((C, L, H), stored_dtype)
         stored = _read_file(fs, shard_id, record, rel, None, verify)
@@ -196,11 +213,18 @@ def read_features(
         part = slice(lo - i * C, hi - i * C)
         if scaled:
             scales = np.empty((C, L), np.float32)
-            srel = f"feature_scales/c.{i}.0"
-            _decode(fs, shard_id, srel, _read_file(fs, shard_id, record, srel, None, verify), scales, compressed)
-            decode_scaled_into(codec, tmp[part], scales[part], dest[lo - start : hi - start])
+            _read_scales(i, scales)
+            if raw:
+                dest[lo - start : hi - start] = tmp[part]
+                scales_out[lo - start : hi - start] = scales[part]
+            else:
+                decode_scaled_into(codec, tmp[part], scales[part], dest[lo - start : hi - start])
         else:
             dest[lo - start : hi - start] = tmp[part]
+
+    def _read_scales(i: int, into: np.ndarray) -> None:
+        srel = f"feature_scales/c.{i}.0"
+        _decode(fs, shard_id, srel, _read_file(fs, shard_id, record, srel, None, verify), into, compressed)
 
     if stop <= start:
         return

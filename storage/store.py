@@ -13,6 +13,7 @@ from ..errors import CorruptShard, ManifestMismatch, StoreError
 from . import claims
 from ..runtime.locks import pid_alive
 from .backends import open_fs
+from .codec import SCALED_CODECS, feature_dtype
 from .fs import PARTIAL_SUFFIX, StoreFS, temp_writer, writer_tag
 from .layout import (
     CLAIMS,
@@ -312,15 +313,21 @@ class Store:
         if self.cache is not None:
             self.cache.read_ahead(self.fs, list(shard_ids), self.commit_record)
 
-    def read_shard(self, shard_id: int, *, verify: bool = True, out: "torch.Tensor | None" = None) -> ShardData:
-        """Return a whole committed shard; features land in `out` (e.g. pinned, at least T*L*H bf16) if given."""
+    def read_shard(self, shard_id: int, *, verify: bool = True, out: "torch.Tensor | None" = None,
+                   raw: bool = False) -> ShardData:
+        """Return a whole committed shard; features land in `out` (e.g. pinned, at least T*L*H bf16) if given.
+
+        raw: a scaled codec's store (fp8, uq) returns its stored codes and their scales instead of bf16 features,
+        for the device that trains on them to decode (ShardData.scales, device_codec.decode_on_device); other
+        stores return bf16 features as without it."""
         record = self.commit_record(shard_id) if verify or self.cache else load_record(self.fs, shard_id, verify,
                                                                                        self.header_xxh3)
+        raw = raw and self.header["codec"] in SCALED_CODECS
         if self.cache is None:
-            return self._read_shard(self.fs, shard_id, record, verify, out)
+            return self._read_shard(self.fs, shard_id, record, verify, out, raw)
         try:
             with self.cache.local(self.fs, shard_id, record) as fs:
-                return self._read_shard(fs, shard_id, record, True, out)
+                return self._read_shard(fs, shard_id, record, True, out, raw)
         except CorruptShard as e:
             if not str(e).startswith(self.cache.root):
                 raise  # the store's own copy is bad (found while fetching): verify --repair is the remedy
@@ -328,18 +335,30 @@ class Store:
             log.warning("shard %d: cached copy unusable (%s); fetching it again", shard_id, e)
             self.cache.drop(shard_id, record)
             with self.cache.local(self.fs, shard_id, record) as fs:
-                return self._read_shard(fs, shard_id, record, True, out)
+                return self._read_shard(fs, shard_id, record, True, out, raw)
 
     def _read_shard(self, fs: StoreFS, shard_id: int, record: dict, verify: bool,
-                    out: "torch.Tensor | None") -> ShardData:
+                    out: "torch.Tensor | None", raw: bool = False) -> ShardData:
         small = {name: read_small(fs, shard_id, record, name, verify) for name in SMALL_ARRAYS}
         problems = invariant_problems(record, self.header, small)
         if problems:
             raise CorruptShard(f"{fs.display(shard_dir(shard_id))}: {'; '.join(problems)}")
         T = int(record["num_tokens"])
         features = self._feature_tensor(T, out)
-        read_features(fs, shard_id, record, 0, T, _bits(features), verify)
-        return ShardData(small["input_ids"], small["loss_mask"], features, small["offsets"], small["sample_ids"])
+        if not raw:
+            read_features(fs, shard_id, record, 0, T, _bits(features), verify)
+            return ShardData(small["input_ids"], small["loss_mask"], features, small["offsets"], small["sample_ids"])
+        import torch
+
+        from .device_codec import stored_torch_dtype
+
+        codec = self.header["codec"]
+        codes = features.view(-1).view(torch.uint8)[: features.numel() * feature_dtype(codec).itemsize]
+        codes = codes.view(stored_torch_dtype(codec)).view(features.shape)
+        scales = torch.empty(features.shape[:2], dtype=torch.float32)
+        read_features(fs, shard_id, record, 0, T, codes.numpy().view(feature_dtype(codec)), verify, scales.numpy())
+        return ShardData(small["input_ids"], small["loss_mask"], codes, small["offsets"], small["sample_ids"],
+                         scales=scales, codec=codec)
 
     def _feature_tensor(self, T: int, out: "torch.Tensor | None") -> "torch.Tensor":
         import torch

@@ -39,12 +39,25 @@ def features_to_bits(features: Any) -> np.ndarray:
     return features.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
+def _host_array(x: Any) -> np.ndarray:
+    """Return a tensor or array as a C-contiguous numpy array (zero-copy for a contiguous CPU tensor)."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x)
+    import torch
+
+    if not isinstance(x, torch.Tensor):
+        raise StoreError(f"expected a torch tensor or numpy array, found {type(x).__name__}")
+    return x.detach().cpu().contiguous().numpy()
+
+
 class ShardWriter:
     """Context manager over one claimed shard: append samples, then commit(); leaving without commit releases the
     claim and leaves the partial data as garbage (no reader sees a shard without its commit record).
 
     Call it from one thread; it encodes, writes and fsyncs whole chunks in its own small pool, so append() costs
-    one copy of the features (the caller may reuse its buffer as soon as append returns).
+    one copy of the features (the caller may reuse its buffer as soon as append returns). Under a scaled codec the
+    caller may hand over features it encoded already (append's scales, e.g. device_codec.encode_on_device's on the
+    GPU): then the pool only compresses and writes them, and the shard's bytes are the same.
     """
 
     def __init__(self, fs: StoreFS, header: dict, shard_id: int, claim: claims.Claim, chunk_tokens: int,
@@ -61,13 +74,17 @@ class ShardWriter:
         self._compressed = self.codec != "none"
         self._scaled = self.codec in SCALED_CODECS  # fp8 and the uq codecs: a scale (step) a row beside them
         self._dtype = feature_dtype(self.codec)
+        # Scaled codecs only: None until the first append, then whether the shard's samples come encoded (append's
+        # scales) or as bf16 bits; a shard takes one kind, so its chunks are made one way.
+        self._encoded: bool | None = None
+        self._chunk: np.ndarray | None = None
+        self._chunk_scales: np.ndarray | None = None
         self._ids: list[np.ndarray] = []
         self._masks: list[np.ndarray] = []
         self._offsets: list[int] = [0]
         self._sample_ids: list[int] = []
         self._chunk_index = 0
         self._fill = 0
-        self._new_buffers()
         self._files: dict[str, dict] = {}
         self._threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"dflash-shard{shard_id}")
@@ -105,25 +122,58 @@ class ShardWriter:
         return self._offsets[-1]
 
     def _new_buffers(self) -> None:
-        # Always bf16 bits: the scaled codecs quantise whole chunks in the pool.
-        self._chunk = np.empty((self.chunk_tokens, self.num_layers, self.hidden_size), np.uint16)
+        # bf16 bits (the scaled codecs quantise whole chunks in the pool), or the stored codes and their scales.
+        shape = (self.chunk_tokens, self.num_layers, self.hidden_size)
+        if self._encoded:
+            self._chunk = np.empty(shape, self._dtype)
+            self._chunk_scales = np.empty(shape[:2], np.float32)
+        else:
+            self._chunk = np.empty(shape, np.uint16)
 
-    def append(self, input_ids: Any, loss_mask: Any, features: Any, sample_id: int) -> None:
-        """Add one sample: token ids [t], loss mask [t], features bf16 [t, L, H] (tensor or uint16 bits)."""
+    def _rows(self, features: Any, scales: Any, sample_id: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Return a sample's rows as the chunk buffer holds them: (bf16 bits, None), or (the stored codes, their
+        float32 scales) for features a caller encoded already; a StoreError for the wrong kind or dtype."""
+        where = f"{self._fs.display(self._dir)}: sample {sample_id}"
+        encoded = scales is not None
+        if encoded and not self._scaled:
+            raise StoreError(f"{where}: encoded features with scales given to a shard of codec {self.codec!r}, which "
+                             f"takes bf16 features only (scales are for {', '.join(SCALED_CODECS)})")
+        if self._encoded is not None and encoded != self._encoded:
+            kinds = ("bf16 features", "encoded features with scales")
+            raise StoreError(f"{where}: {kinds[encoded]} appended to a shard begun with {kinds[self._encoded]}; "
+                             "a shard takes one kind")
+        if not encoded:
+            return features_to_bits(features), None
+        codes, scales = _host_array(features), _host_array(scales)
+        allowed = (np.uint8,) if self.codec == "fp8" else (np.int16, np.uint16)
+        if codes.dtype not in allowed or scales.dtype != np.float32:
+            raise StoreError(f"{where}: encoded {self.codec} features must be "
+                             f"{' or '.join(np.dtype(a).name for a in allowed)} with float32 scales (as "
+                             f"device_codec.encode_on_device gives them), found {codes.dtype} and {scales.dtype}")
+        return codes.view(self._dtype), scales
+
+    def append(self, input_ids: Any, loss_mask: Any, features: Any, sample_id: int, scales: Any = None) -> None:
+        """Add one sample: token ids [t], loss mask [t], features bf16 [t, L, H] (tensor or uint16 bits); or, under
+        a scaled codec, features already encoded [t, L, H] (uint8 fp8 bits, int16/uint16 zigzagged uq integers,
+        as device_codec.encode_on_device gives them) with their float32 scales [t, L]."""
         if self._state != "open":
             raise StoreError(f"{self._fs.display(self._dir)}: append after the shard was {self._state}")
         ids = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids).reshape(-1)
         mask = np.asarray(loss_mask.cpu() if hasattr(loss_mask, "cpu") else loss_mask).reshape(-1)
-        bits = features_to_bits(features)
+        bits, scale_rows = self._rows(features, scales, sample_id)
         t = ids.shape[0]
         want = (t, self.num_layers, self.hidden_size)
-        if mask.shape[0] != t or tuple(bits.shape) != want:
+        if mask.shape[0] != t or tuple(bits.shape) != want or (
+                scale_rows is not None and tuple(scale_rows.shape) != want[:2]):
+            scale_shapes = f", scales {list(scale_rows.shape)}" if scale_rows is not None else ""
             raise StoreError(
                 f"{self._fs.display(self._dir)}: sample {sample_id}: expected input_ids [t], loss_mask [t], features "
-                f"{list(want)}; found {list(ids.shape)}, {list(mask.shape)}, {list(bits.shape)}"
+                f"{list(want)}{', scales [t, L]' if scale_shapes else ''}; found {list(ids.shape)}, "
+                f"{list(mask.shape)}, {list(bits.shape)}{scale_shapes}"
             )
         if not np.issubdtype(ids.dtype, np.integer):
             raise StoreError(f"{self._fs.display(self._dir)}: sample {sample_id}: input_ids must be integers, found {ids.dtype}")
+        self._encoded = scale_rows is not None
         self._ids.append(ids.astype(np.int32, copy=True))
         self._masks.append(mask.astype(np.bool_, copy=True))
         self._offsets.append(self._offsets[-1] + t)
@@ -131,18 +181,27 @@ class ShardWriter:
         done = 0
         while done < t:
             n = min(t - done, self.chunk_tokens - self._fill)
+            if self._chunk is None:
+                self._new_buffers()
             self._chunk[self._fill : self._fill + n] = bits[done : done + n]
+            if scale_rows is not None:
+                self._chunk_scales[self._fill : self._fill + n] = scale_rows[done : done + n]
             self._fill += n
             done += n
             if self._fill == self.chunk_tokens:
                 self._flush_chunk()
 
     def _flush_chunk(self) -> None:
-        # Zarr stores edge chunks whole, so the tail of the last chunk is zero padding.
+        # Zarr stores edge chunks whole, so the tail of the last chunk is zero padding (encoded: what zero rows
+        # encode to, so both kinds of append give the same bytes).
         if self._fill < self.chunk_tokens:
             self._chunk[self._fill :] = 0
+            if self._encoded:
+                self._chunk_scales[self._fill :] = self._zero_row_scale()
         i = self._chunk_index
-        if self._scaled:
+        if self._encoded:
+            self._pending.append(self._pool.submit(self._write_encoded_chunk, i, self._chunk, self._chunk_scales))
+        elif self._scaled:
             self._pending.append(self._pool.submit(self._write_scaled_chunk, i, self._chunk))
         elif self.codec in TRIM_BITS:
             self._pending.append(self._pool.submit(self._write_trimmed_chunk, i, self._chunk))
@@ -150,7 +209,7 @@ class ShardWriter:
             self._submit(f"features/c.{i}.0.0", self._chunk)
         self._chunk_index += 1
         self._fill = 0
-        self._new_buffers()  # the pool task owns the old buffer now
+        self._chunk = self._chunk_scales = None  # the pool task owns them now; the next append makes new ones
         # Bound the memory held by queued chunks: wait for the oldest once the queue is deep.
         while len(self._pending) > 2 * self._threads:
             self._pending.popleft().result()
@@ -158,9 +217,15 @@ class ShardWriter:
     def _submit(self, rel: str, arr: np.ndarray) -> None:
         self._pending.append(self._pool.submit(self._write_chunk, rel, arr))
 
+    def _zero_row_scale(self) -> np.float32:
+        """Return the scale the codec gives a row of zeros (padding): its own encoder's, not a copy of its rule."""
+        return encode_scaled(np.zeros((1, 1, 1), np.uint16), self.codec)[1][0, 0]
+
     def _write_scaled_chunk(self, i: int, bits: np.ndarray) -> None:
         # Quantising in the pool keeps append() as cheap as a copy, as for the lossless codecs.
-        q, scales = encode_scaled(bits, self.codec)
+        self._write_encoded_chunk(i, *encode_scaled(bits, self.codec))
+
+    def _write_encoded_chunk(self, i: int, q: np.ndarray, scales: np.ndarray) -> None:
         self._write_chunk(f"features/c.{i}.0.0", q)
         self._write_chunk(f"feature_scales/c.{i}.0", scales)
 

@@ -45,11 +45,16 @@ def test_extract_refuses_a_store_larger_than_the_free_space_unless_forced(conver
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     cfg = extract_config(tiny_qwen3, conversations, tmp_path / "store", shard_size=10)
-    # The way out it suggests says what fp8 and uq6 save and what they were measured to cost the drafter.
-    with pytest.raises(StoreError, match=r"needs .* more but .* has 1.00 KB free; pass --codec fp8 \(about 0.43x of "
-                                         r"raw bf16; .*held-out tau_hat .* measured tau .*\) or --codec uq6 \(about "
-                                         r"0.35x; .*held-out tau_hat .* measured tau .*--force"):
+    # The way out it suggests is the codec with fewer bytes, with what it saves and was measured to cost the drafter:
+    # from the default uq6, uq4; from the lossless blosc, uq6 and its tau measured on the GPU demo.
+    with pytest.raises(StoreError, match=r"needs .* more but .* has 1.00 KB free; pass --codec uq4 \(about 0.31x of "
+                                         r"raw bf16; its price in tau is not measured yet\), extract fewer .*--force"):
         run(cfg)
+    with pytest.raises(StoreError, match=r"pass --codec uq6 \(about 0.35x of raw bf16; on the GPU demo's drafter "
+                                         r"held-out tau_hat .* measured tau .*\), extract fewer .*--force"):
+        run(extract_config(tiny_qwen3, conversations, tmp_path / "store", shard_size=10, codec="blosc"))
+    with pytest.raises(StoreError, match=r"has 1.00 KB free; extract fewer rows, choose another --out, or "):
+        run(extract_config(tiny_qwen3, conversations, tmp_path / "store", shard_size=10, codec="uq4"))
     assert not (tmp_path / "store").exists()
     run(extract_config(tiny_qwen3, conversations, tmp_path / "store", shard_size=10, force=True))
     assert Store.open(str(tmp_path / "store")).is_complete()

@@ -23,7 +23,7 @@ from dflash.storage import claims
 from dflash.storage import fs as fs_module
 from dflash.storage.fs import writer_tag
 from dflash.storage.follow import follow_commits
-from dflash.tests.synthetic_shards import read_sample, synthetic_sample, write_synthetic_shard
+from dflash.tests.synthetic_shards import activation_bits, read_sample, synthetic_sample, write_synthetic_shard
 
 L, H = 3, 32
 
@@ -124,6 +124,69 @@ def test_codecs_sizes_and_fp8_error(tmp_path):
             else:
                 assert torch.equal(got, ref)
     assert sizes["fp8"] < sizes["blosc"] < sizes["none"], sizes
+
+
+def _shard_files(root, shard_id: int) -> dict[str, bytes]:
+    shard = root / f"shards/{shard_id:05d}"
+    return {str(p.relative_to(shard)): p.read_bytes() for p in sorted(shard.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("codec", ["fp8", "uq6"])
+def test_features_encoded_by_the_caller_make_the_same_shard_bytes(tmp_path, codec):
+    """Codes and scales handed to append (device_codec.encode_on_device's, sample by sample, as the CUDA extract
+    pipeline makes them) commit the same chunk files, byte for byte, as the bf16 features the writer encodes."""
+    from dflash.storage.device_codec import encode_on_device
+
+    rng = np.random.default_rng(7)
+    samples = []
+    for i, t in enumerate([5, 23, 1, 16, 30, 9]):  # 16-token chunks: samples straddle them, the last is padded
+        bits = activation_bits(rng, t, L, H)
+        if i == 1:
+            bits[2, 0] = 0  # a zero row
+            bits[4, 1, 3] = 0x7FC0  # a row holding NaN
+            bits[7, 2, 5] = 0xFF80  # a row holding -inf
+            bits[8, 0, :] = 0x7F80  # a row of +inf
+        ids = rng.integers(0, 50000, size=t, dtype=np.int32)
+        samples.append((ids, rng.random(t) < 0.5, bits))
+    store = Store.create_or_open(str(tmp_path), header(codec), chunk_tokens=16)
+    records = []
+    for shard_id, encoded in ((0, False), (1, True)):
+        with store.try_claim(shard_id) as w:
+            for i, (ids, mask, bits) in enumerate(samples):
+                if encoded:
+                    codes, scales = encode_on_device(torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16), codec)
+                    if i % 2:  # numpy (uq: as the store's uint16) as well as tensors
+                        codes, scales = codes.numpy().view(np.uint8 if codec == "fp8" else np.uint16), scales.numpy()
+                    w.append(ids, mask, codes, sample_id=i, scales=scales)
+                else:
+                    w.append(ids, mask, bits, sample_id=i)
+            records.append(w.commit())
+    assert records[0]["files"] == records[1]["files"] and records[0]["arrays"] == records[1]["arrays"]
+    assert records[0]["arrays"]["features"]["chunk_shape"][0] == 16 and len(records[0]["files"]) > 10
+    files = [{k: v for k, v in _shard_files(tmp_path, i).items() if k != "zarr.json"} for i in (0, 1)]  # its id
+    assert files[0] == files[1]
+    assert torch.equal(store.read_shard(1).features.view(torch.int16), store.read_shard(0).features.view(torch.int16))
+
+
+def test_encoded_append_refuses_scales_without_a_scaled_codec_mixed_kinds_and_wrong_dtypes(tmp_path):
+    ids, mask, bits = np.arange(4), np.ones(4, bool), np.zeros((4, L, H), np.uint16)
+    scales = np.ones((4, L), np.float32)
+    with Store.create_or_open(str(tmp_path / "blosc"), header()).try_claim(0) as w:
+        with pytest.raises(StoreError, match="codec 'blosc', which takes bf16 features only"):
+            w.append(ids, mask, bits, sample_id=0, scales=scales)
+    with Store.create_or_open(str(tmp_path / "fp8"), header("fp8")).try_claim(0) as w:
+        with pytest.raises(StoreError, match="must be uint8 with float32 scales"):
+            w.append(ids, mask, bits, sample_id=0, scales=scales)
+        w.append(ids, mask, bits.astype(np.uint8), sample_id=0, scales=scales)
+        with pytest.raises(StoreError, match="bf16 features appended to a shard begun with encoded features"):
+            w.append(ids, mask, bits, sample_id=1)
+    with Store.create_or_open(str(tmp_path / "uq6"), header("uq6")).try_claim(0) as w:
+        w.append(ids, mask, bits, sample_id=0)
+        with pytest.raises(StoreError, match="encoded features with scales appended to a shard begun with bf16"):
+            w.append(ids, mask, bits, sample_id=1, scales=scales)
+    with Store.open(str(tmp_path / "uq6")).try_claim(1) as w:
+        with pytest.raises(StoreError, match=r"scales \[t, L\]; found .*, scales \[3, 3\]"):
+            w.append(ids, mask, bits, sample_id=0, scales=scales[:3])
 
 
 def test_trimmed_mantissa_codec_bounds_error_keeps_specials_and_shrinks(tmp_path):

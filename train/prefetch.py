@@ -46,8 +46,10 @@ class ShardPrefetcher:
     two epochs is two reads, each counted against the same bound.
     """
 
-    def __init__(self, store: "Store", order: list[int], capacity: int, skip_corrupt: bool, pin: bool) -> None:
+    def __init__(self, store: "Store", order: list[int], capacity: int, skip_corrupt: bool, pin: bool,
+                 raw: bool = False) -> None:
         self.store, self.skip_corrupt, self.pin = store, skip_corrupt, pin
+        self.raw = raw  # a scaled codec's shards as stored codes and scales, decoded on the training device
         self.orders: list[list[int]] = [list(order)]
         self.capacity, self.held = capacity, 0
         self.cond = threading.Condition()
@@ -64,7 +66,7 @@ class ShardPrefetcher:
 
     def _read(self, sid: int, key: tuple[int, int]) -> "ShardData":
         if not self.pin:
-            return self.store.read_shard(sid)
+            return self.store.read_shard(sid, raw=self.raw)
         rec = self.store.commit_record(sid)
         n = max(1, int(rec["num_tokens"]) * len(self.store.header["layer_ids"]) * int(self.store.header["hidden_size"]))
         # Pinning memory is slow (it maps and locks every page), so released buffers are reused for later shards.
@@ -74,7 +76,7 @@ class ShardPrefetcher:
             buf = self._alloc(n)
         with self.cond:
             self.buffers[key] = buf
-        return self.store.read_shard(sid, out=buf)
+        return self.store.read_shard(sid, out=buf, raw=self.raw)
 
     def _alloc(self, n: int) -> Any:
         import torch

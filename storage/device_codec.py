@@ -1,0 +1,82 @@
+"""The scaled codecs (fp8, uq8/6/4) in torch, for the device that makes or consumes the features: bit for bit the
+numpy codecs of codec.py, which every CPU reader and writer uses.
+
+Why on the device: on one H200 (bench/RESULTS.md, 2026-12-05) the GPU demo's drafter trained from a uq6 store at
+0.43x the blosc store's steps a second with the trainer waiting 0% on data, and extracted at 0.62x: the store's
+15-16 pool threads quantised and dequantised in numpy, and every numpy call they make takes the GIL, which the
+training or forward loop's thread gives up at every torch op and then has to win back from them. On the device the
+codec is a handful of elementwise kernels, and the pool threads only run blosc and the checksum (without the GIL).
+
+Exactness: every step is one IEEE operation rounded to nearest (a division, a product, a rint, a selection, a
+conversion), which CUDA and the CPU compute alike; tests/test_storage_device_codec.py compares these with the numpy
+codecs on the CPU, and its gpu-marked test on CUDA.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .codec import _BF16_MAX, _F32_TINY, FP8_MAX, QUANT_DIVISORS, SCALED_CODECS, ZIGZAG_MAX
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["encode_on_device", "decode_on_device", "stored_torch_dtype"]
+
+
+def stored_torch_dtype(codec: str) -> "torch.dtype":
+    """Return the torch dtype holding a scaled codec's stored features: uint8 fp8 bits, or the uq codecs' uint16
+    zigzagged integers as int16 (the same bits; torch's uint16 lacks CUDA kernels)."""
+    import torch
+
+    if codec not in SCALED_CODECS:
+        raise ValueError(f"codec {codec!r} is not one of the scaled codecs {SCALED_CODECS}")
+    return torch.uint8 if codec == "fp8" else torch.int16
+
+
+def encode_on_device(features: "torch.Tensor", codec: str) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Return (stored features [t, L, H] in stored_torch_dtype, float32 scales [t, L]) of features [t, L, H] (any
+    float dtype; rounded to bf16 first, as the store does) on their own device: codec.encode_scaled's bits."""
+    import torch
+
+    x = features.to(torch.bfloat16).to(torch.float32)
+    if codec == "fp8":
+        amax = x.abs().amax(dim=-1)
+        amax = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax))
+        scale = amax / FP8_MAX
+        x = (x / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX)
+        return x.to(torch.float8_e4m3fn).view(torch.uint8), scale
+    divisor = QUANT_DIVISORS[codec]
+    H = x.shape[-1]
+    stride = max(1, H // 256)
+    middle = (len(range(0, H, stride)) - 1) // 2
+    amax = torch.maximum(x.amax(dim=-1), -x.amin(dim=-1))
+    if x.shape[0] == 0:
+        median = amax
+    else:
+        median = torch.kthvalue(x[..., ::stride].abs(), middle + 1, dim=-1).values
+    step = torch.maximum(median / divisor, amax / ZIGZAG_MAX)
+    step = torch.where(step > 0, step.clamp(min=_F32_TINY), torch.ones_like(step))
+    finite = torch.isfinite(amax)
+    step = torch.where(finite, step, torch.full_like(step, float("nan")))
+    inv = torch.where(finite, 1.0 / step, torch.zeros_like(step))
+    x = torch.where(finite[..., None], x, torch.zeros_like(x))
+    q = (x * inv[..., None]).round_().clamp_(-ZIGZAG_MAX, ZIGZAG_MAX).to(torch.int32)
+    z = (q << 1) ^ (q >> 31)  # zigzag: 0..65535
+    z = torch.where(z > 32767, z - 65536, z).to(torch.int16)
+    return z, step
+
+
+def decode_on_device(stored: "torch.Tensor", scales: "torch.Tensor", codec: str) -> "torch.Tensor":
+    """Return bf16 features [t, L, H] of a scaled codec's stored features [t, L, H] and float32 scales [t, L], on
+    their device: codec.decode_scaled_into's values (a NaN may carry other NaN bits)."""
+    import torch
+
+    scales = scales.to(torch.float32)
+    if codec == "fp8":
+        x = stored.view(torch.float8_e4m3fn).to(torch.float32) * scales[..., None]
+        return x.to(torch.bfloat16)
+    if codec not in QUANT_DIVISORS:
+        raise ValueError(f"codec {codec!r} is not one of the scaled codecs {SCALED_CODECS}")
+    u = stored.to(torch.int32) & 0xFFFF
+    v = ((u >> 1) ^ -(u & 1)).to(torch.float32) * scales[..., None]
+    return v.clamp_(-_BF16_MAX, _BF16_MAX).to(torch.bfloat16)

@@ -3,12 +3,13 @@ features, and, on a finished `dflash demo` folder, measured tau of the demo's dr
 
     python bench/codec_ab.py [--model FOLDER] [--smoke]          # bytes a token and error (the demo's SmolLM2)
     python bench/codec_ab.py --store DEMO_OUT/store --tokens 16384 # the same on the features a demo stored
-    python bench/codec_ab.py --demo DEMO_OUT --work /tmp/ab [--codecs uq6,fp8,uq4] [--json ab.json]
+    python bench/codec_ab.py --demo DEMO_OUT --work /tmp/ab [--codecs blosc,fp8,uq4] [--json ab.json]
 
---demo takes the demo's data, its lossless blosc store, its drafter and its decoding as the blosc arm; per codec it
+--demo takes the demo's data, its store (uq6 since 2026-12-05, blosc before), its drafter and its decoding as the arm
+of its store's codec; per codec it
 extracts the same data again with that codec, trains the same drafter with the same settings (the demo's own stage
-configs, demo.extract_config / demo.train_config), and scores it the same way: held-out tau_hat on the lossless
-held-out shards (exact features, as serving gives them) and measured tau, speculative against greedy decoding of the
+configs, demo.extract_config / demo.train_config), and scores it the same way: held-out tau_hat on the demo store's
+held-out shards (the same features for every arm) and measured tau, speculative against greedy decoding of the
 prompts the demo decoded. Prints one line per arm: stored bytes a token (x blosc, x raw bf16) beside tau_hat and
 measured tau (x blosc's). Every arm resumes, so a time limit costs only what was running. The default codec changes
 only on such a table (issue 41: the fewest bytes with measured tau within 1% of blosc's). On a GPU: after
@@ -118,9 +119,9 @@ def store_bytes(store_dir: Path) -> dict:
 
 
 def arms(demo_dir: Path, work: Path, codecs: list[str]) -> dict:
-    """Return the A/B of the store's codecs on a finished `dflash demo` folder: its lossless blosc arm, and per codec
+    """Return the A/B of the store's codecs on a finished `dflash demo` folder: its own store's arm, and per codec
     the same data extracted again with that codec, the same drafter trained from it (the demo's own stage configs),
-    scored the same way (held-out tau_hat on the lossless held-out shards, measured tau on the prompts the demo
+    scored the same way (held-out tau_hat on the demo store's held-out shards, measured tau on the prompts the demo
     decoded). Every arm resumes: a rerun after a time limit continues where the last one stopped."""
     from dflash import demo
     from dflash.config import DemoConfig, EvalConfig
@@ -137,17 +138,20 @@ def arms(demo_dir: Path, work: Path, codecs: list[str]) -> dict:
     summary = json.loads((src / "summary.json").read_text())
     cfg = DemoConfig.load(src / "demo-config.json")
     budget = demo.BUDGETS[cfg.budget]
-    target, data, lossless = smollm2_folder(), src / DATA_FILE, src / "store"
+    from dflash.storage import Store
+
+    target, data, demo_store = smollm2_folder(), src / DATA_FILE, src / "store"
+    demo_codec = Store.open(str(demo_store)).header["codec"]
     gpus = "0" if cfg.device == "cuda" else "cpu"
-    prompts = write_held_out_prompts(lossless, data, src / "run", budget.decode_prompts, 1 + budget.samples,
+    prompts = write_held_out_prompts(demo_store, data, src / "run", budget.decode_prompts, 1 + budget.samples,
                                      work / "decode-prompts.jsonl")
 
     def tau_hat(run: Path) -> float:
-        return run_eval(EvalConfig(drafter=str(run), store=str(lossless)))["tau_hat"]
+        return run_eval(EvalConfig(drafter=str(run), store=str(demo_store)))["tau_hat"]
 
-    out = {"blosc": {**store_bytes(lossless), "tau_hat": tau_hat(src / "run"), "tau": summary["tau"],
+    out = {demo_codec: {**store_bytes(demo_store), "tau_hat": tau_hat(src / "run"), "tau": summary["tau"],
                      "identical": summary["identical_prompts"]}}
-    for codec in codecs:
+    for codec in [c for c in codecs if c != demo_codec]:
         store, run_dir, seconds = work / f"store-{codec}", work / f"run-{codec}", {}
         t = time.perf_counter()
         extract(demo.extract_config(budget, target, data, store, gpus, codec=codec))
@@ -160,13 +164,13 @@ def arms(demo_dir: Path, work: Path, codecs: list[str]) -> dict:
         seconds["train"] = time.perf_counter() - t
         t = time.perf_counter()
         dec = demo.decode_prompts(work / f"decode-{codec}.jsonl", run_dir, target, prompts, device=cfg.device,
-                                  max_new_tokens=budget.decode_tokens, numerics=demo.data_numerics(lossless))
+                                  max_new_tokens=budget.decode_tokens, numerics=demo.data_numerics(demo_store))
         seconds["decode"] = time.perf_counter() - t
         out[codec] = {**store_bytes(store), "tau_hat": tau_hat(run_dir), "tau": dec["tau"],
                       "identical": dec["identical_prompts"],
                       "seconds": {k: round(v, 1) for k, v in seconds.items()}}
         print(json.dumps({codec: out[codec]}), flush=True)
-    base = out["blosc"]
+    base = out.get("blosc", out[demo_codec])  # ratios against the lossless arm where it ran
     for name, a in out.items():
         a["x_blosc_bytes"] = a["bytes_per_token"] / base["bytes_per_token"]
         a["x_blosc_tau"] = a["tau"] / base["tau"]
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--store", type=Path,
                    help="bytes and error: read the features of this lossless (blosc or none) store, not a forward")
     p.add_argument("--codecs", default=None,
-                   help="default: blosc,fp8,uq8,uq6,uq4,bf16m3,bf16m2,bf16m1 (bytes); uq6,fp8,uq4 (--demo)")
+                   help="default: blosc,fp8,uq8,uq6,uq4,bf16m3,bf16m2,bf16m1 (bytes); blosc,fp8,uq4 (--demo)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens of real features measured (bytes and error)")
     p.add_argument("--smoke", action="store_true", help="CPU, 1,024 tokens: bytes a token and error only")
     p.add_argument("--demo", type=Path, help="A/B: a finished `dflash demo` folder (its data, store, run, decoding)")
@@ -198,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, help="A/B: also write the result here")
     args = p.parse_args(argv)
     if args.demo is not None:
-        result = arms(args.demo, args.work, (args.codecs or "uq6,fp8,uq4").split(","))
+        result = arms(args.demo, args.work, (args.codecs or "blosc,fp8,uq4").split(","))
         print_arms(result)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1) + "\n")

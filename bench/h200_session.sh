@@ -7,12 +7,13 @@
 #           then bench/offload.py on the Qwen3-32B shape
 #   PART 8: bench/offload.py on the Qwen3.6-27B shape (issue 40's second case)
 #   PART 4: bench/oom_split.py, then bench/forward_kernels.py --only-chosen on the Qwen3-30B-A3B and DeepSeek-V3 shapes
-#   PART 5: the GPU demo (`dflash demo --device cuda`, the blosc arm of issue 41's codec A/B); the GGUF travels in two
-#           halves: .g1/part (its first 50,000,000 bytes) with an earlier call, kept in /tmp/g1part, .g2/part with this
-#   PART 6: the demo finished if a limit cut it, then bench/codec_ab.py --demo on it (the uq6, fp8 and uq4 arms, in
-#           that order: uq6 is the candidate for issue 41's goal; about 5.5 minutes each on an H200 (uq6 needed more
-#           than 9.5 on an H100 with the torch codecs, before storage/codec.py went to numpy), and each later call
-#           continues where the last one stopped)
+#   PART 5: the GPU demo (`dflash demo --device cuda`; its store is uq6, the default since 2026-12-05, with the codec on
+#           the GPU: its extract and train stages against 2026-12-05's blosc run, 59 s and 229 s on an H200); the GGUF
+#           travels in two halves: .g1/part (its first 50,000,000 bytes) with an earlier call, kept in /tmp/g1part,
+#           .g2/part with this
+#   PART 6: the demo finished if a limit cut it, then bench/codec_ab.py --demo on it (the blosc, fp8 and uq4 arms, in
+#           that order: the lossless arm's speed beside the uq6 demo's; about 4.5 minutes each on an H200, and each
+#           later call continues where the last one stopped)
 #   PART 7: bench/forward_kernels.py --only-chosen on the Qwen3.6-27B shape, then `pytest -m gpu tests/test_kernels.py`
 #   PART 9: issue 44's MoE gaps: the Qwen3-30B-A3B shape's forward (15% MFU) under torch.profiler (--trace: where its
 #           time goes), then the DeepSeek-V3 cut with --codec uq6 (half blosc's bytes) and with blosc: is its
@@ -93,7 +94,7 @@ case "${1:-1}" in
   ;;
 6)
   demo "$(left)"
-  timeout "$(left 585)" python3 bench/codec_ab.py --demo /tmp/demo --work /tmp/ab --codecs uq6,fp8,uq4 --json "$OUT/ab.json" \
+  timeout "$(left 585)" python3 bench/codec_ab.py --demo /tmp/demo --work /tmp/ab --codecs blosc,fp8,uq4 --json "$OUT/ab.json" \
     > "$OUT/ab.txt" 2>&1; echo "codec_ab exit $?" >> "$OUT/gpu.txt"
   ;;
 7)

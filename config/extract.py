@@ -34,8 +34,9 @@ class ExtractConfig(StageConfig):
                    "the target's weights are sharded, so that streaming them is small against the forward; offloaded "
                    "on a GPU, 65536 doubled while a layer's compute would not hide its copy over the host link "
                    "measured at start, as far as GPU and host memory allow; the log and --dry-run say why].")
-    codec: str = option("uq6", choices=CODECS,
-                        help="Feature encoding: uq6 (lossy, ~0.35x raw bf16: each token's layer row in integer steps "
+    codec: str = option("auto", choices=("auto", *CODECS),
+                        help="Feature encoding: auto is uq6 for a new store and a store's own codec when it is resumed. "
+                             "uq6 (lossy, ~0.35x raw bf16: each token's layer row in integer steps "
                              "of 1/6 of its median magnitude, zstd-coded; the GPU demo's drafter measured tau 1.03x "
                              "the lossless store's), uq8 / uq4 (the same in steps of 1/8 / 1/4, ~0.37x / ~0.31x), "
                              "blosc (lossless, ~0.69x), none (raw), fp8 (lossy, ~0.42x, measured tau 0.988x), bf16m3 "
@@ -91,7 +92,8 @@ class ExtractConfig(StageConfig):
             self.batch_tokens is None or self.batch_tokens >= self.max_length,
             f"--batch-tokens ({self.batch_tokens}) must be >= --max-length ({self.max_length}) so every sample fits",
         )
-        check(self.codec in CODECS, f"--codec {self.codec!r} is not one of {', '.join(CODECS)}")
+        check(self.codec == "auto" or self.codec in CODECS,
+              f"--codec {self.codec!r} is not auto or one of {', '.join(CODECS)}")
         check(self.dtype in DTYPE_CHOICES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
         check(self.mask_token_id is None or self.mask_token_id >= 0, "--mask-token-id must be >= 0")
         check(self.writer_threads is None or self.writer_threads >= 1,

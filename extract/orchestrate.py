@@ -70,6 +70,22 @@ def _resolve_dtype(cfg: "ExtractConfig", device: str, stored: dict[str, Any] | N
     return dataclasses.replace(cfg, dtype=dtype)
 
 
+def _resolve_codec(cfg: "ExtractConfig", stored: dict[str, Any] | None) -> "ExtractConfig":
+    """Return cfg with --codec made concrete: auto is the store's own codec when it is resumed (one made before uq6
+    became the default, 2026-12-05, resumes in blosc), else DEFAULT_CODEC."""
+    import dataclasses
+
+    from ..storage.codec import CODECS, DEFAULT_CODEC
+
+    if cfg.codec != "auto":
+        return cfg
+    recorded = (stored or {}).get("codec")
+    if recorded in CODECS:
+        log.info("codec %s: the store being resumed (%s) was extracted in it", recorded, cfg.out)
+        return dataclasses.replace(cfg, codec=recorded)
+    return dataclasses.replace(cfg, codec=DEFAULT_CODEC)
+
+
 def _worker_main(cfg_dict: dict[str, Any], spec: Any, plan: Any, report: Any) -> dict[str, Any]:
     """Entry point of a spawned worker process: one device's share of the plan's shards."""
     from ..config import ExtractConfig
@@ -279,7 +295,7 @@ def _run(cfg: "ExtractConfig", tl: Any) -> dict[str, Any]:
     with tl.stage("devices"):
         devices = resolve_devices(cfg.gpus, local_rank)
         stored, complete = _stored(cfg.out)
-        cfg = _resolve_dtype(cfg, devices[0], stored)
+        cfg = _resolve_codec(_resolve_dtype(cfg, devices[0], stored), stored)
     depth = captured_depth(cfg.layers, model_config)
     with tl.stage("model_config"):
         placement = _placement(cfg, model_config, devices, depth)

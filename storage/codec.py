@@ -13,6 +13,7 @@ import numpy as np
 
 __all__ = [
     "CODECS",
+    "DEFAULT_CODEC",
     "BLOSC_CONFIG",
     "FP8_MAX",
     "feature_dtype",
@@ -52,6 +53,10 @@ TRIM_BITS = {"bf16m3": 3, "bf16m2": 2, "bf16m1": 1}
 # RESULTS.md, 2026-12-05): uq8 / uq6 / uq4 0.37x / 0.34x / 0.31x of raw bf16 at a relative error a row of 1.3% / 1.7%
 # / 2.6%, where fp8 is 0.42x at 2.1% (measured as bench/codec_ab.py does).
 QUANT_DIVISORS = {"uq8": 8, "uq6": 6, "uq4": 4}
+# A new store's codec (extract --codec auto): the fewest bytes whose drafter's measured tau stays within 1% of the
+# lossless store's; on one H200 the GPU demo's uq6 store took 0.346x raw bf16 at 1.030x blosc's measured tau
+# (bench/RESULTS.md, 2026-12-05). Stores made before keep theirs (blosc) when resumed.
+DEFAULT_CODEC = "uq6"
 # Codecs whose features carry a float32 scale (step) a row, in a `feature_scales` array beside them.
 SCALED_CODECS = ("fp8", *QUANT_DIVISORS)
 ZIGZAG_MAX = 32767  # |q| <= this keeps a zigzagged integer in 16 bits

@@ -8,8 +8,11 @@ training or forward loop's thread gives up at every torch op and then has to win
 codec is a handful of elementwise kernels, and the pool threads only run blosc and the checksum (without the GIL).
 
 Exactness: every step is one IEEE operation rounded to nearest (a division, a product, a rint, a selection, a
-conversion), which CUDA and the CPU compute alike; tests/test_storage_device_codec.py compares these with the numpy
-codecs on the CPU, and its gpu-marked test on CUDA.
+conversion), which CUDA and the CPU compute alike, with one trap: on CUDA, torch divides a tensor by a Python number
+as a product with its float32 reciprocal, up to an ulp off the quotient (x / 448 differs for about half of all x;
+a review found it in ATen's BinaryDivTrueKernel.cu). So every divisor here is a tensor (_div), and the test checks
+that no division by a number is left. tests/test_storage_device_codec.py compares these with the numpy codecs on
+the CPU, and its gpu-marked test on CUDA.
 """
 from __future__ import annotations
 
@@ -33,6 +36,13 @@ def stored_torch_dtype(codec: str) -> "torch.dtype":
     return torch.uint8 if codec == "fp8" else torch.int16
 
 
+def _div(a: "torch.Tensor", b: float) -> "torch.Tensor":
+    """Return a / b correctly rounded on any device: b as a tensor (on CUDA a number divisor becomes a product)."""
+    import torch
+
+    return a / torch.full_like(a, b)
+
+
 def encode_on_device(features: "torch.Tensor", codec: str) -> tuple["torch.Tensor", "torch.Tensor"]:
     """Return (stored features [t, L, H] in stored_torch_dtype, float32 scales [t, L]) of features [t, L, H] (any
     float dtype; rounded to bf16 first, as the store does) on their own device: codec.encode_scaled's bits."""
@@ -42,8 +52,9 @@ def encode_on_device(features: "torch.Tensor", codec: str) -> tuple["torch.Tenso
     if codec == "fp8":
         amax = x.abs().amax(dim=-1)
         amax = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax))
-        scale = amax / FP8_MAX
-        x = (x / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX)
+        scale = _div(amax, FP8_MAX)
+        # A NaN keeps its sign (numpy's codec keeps it; CUDA's division makes every NaN positive).
+        x = torch.where(torch.isnan(x), x, x / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX)
         return x.to(torch.float8_e4m3fn).view(torch.uint8), scale
     divisor = QUANT_DIVISORS[codec]
     H = x.shape[-1]
@@ -54,11 +65,11 @@ def encode_on_device(features: "torch.Tensor", codec: str) -> tuple["torch.Tenso
         median = amax
     else:
         median = torch.kthvalue(x[..., ::stride].abs(), middle + 1, dim=-1).values
-    step = torch.maximum(median / divisor, amax / ZIGZAG_MAX)
+    step = torch.maximum(_div(median, divisor), _div(amax, ZIGZAG_MAX))
     step = torch.where(step > 0, step.clamp(min=_F32_TINY), torch.ones_like(step))
     finite = torch.isfinite(amax)
     step = torch.where(finite, step, torch.full_like(step, float("nan")))
-    inv = torch.where(finite, 1.0 / step, torch.zeros_like(step))
+    inv = torch.where(finite, torch.ones_like(step) / step, torch.zeros_like(step))
     x = torch.where(finite[..., None], x, torch.zeros_like(x))
     q = (x * inv[..., None]).round_().clamp_(-ZIGZAG_MAX, ZIGZAG_MAX).to(torch.int32)
     z = (q << 1) ^ (q >> 31)  # zigzag: 0..65535

@@ -123,7 +123,7 @@ def test_config_roundtrip_and_validation(tmp_path):
     cfg = ExtractConfig(model="m", data=("a.jsonl", "b.jsonl"), out="s", layers=(1, 2, 3))
     cfg.save(tmp_path / "c.json")
     assert ExtractConfig.load(tmp_path / "c.json") == cfg
-    with pytest.raises(ConfigError, match="--codec 'zip' is not one of"):
+    with pytest.raises(ConfigError, match="--codec 'zip' is not auto or one of blosc"):
         ExtractConfig(model="m", data=("a",), out="s", codec="zip")
     with pytest.raises(ConfigError, match="--sliding-window and --full-every go together"):
         TrainConfig(store="s", target="t", out="o", sliding_window=2048)

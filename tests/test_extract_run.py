@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -244,6 +245,26 @@ def test_vocabulary_without_a_spare_row_needs_mask_token_id(data_file, tmp_path)
         run(extract_config(model, data_file, tmp_path / "s", layers=(1, 2)))
     run(extract_config(model, data_file, tmp_path / "s", layers=(1, 2), mask_token_id=3))
     assert Store.open(str(tmp_path / "s")).header["mask_token_id"] == 3
+
+
+def test_codec_auto_is_uq6_for_a_new_store_and_a_resumed_stores_own(data_file, tiny_qwen3, tmp_path, caplog):
+    """A store made before uq6 became the default (blosc) resumes under the same command, without --codec; asking
+    for another codec by name is refused as before."""
+    run(extract_config(tiny_qwen3, data_file, tmp_path / "new"))
+    assert Store.open(str(tmp_path / "new")).header["codec"] == "uq6"
+    cfg = extract_config(tiny_qwen3, data_file, tmp_path / "old", codec="blosc")
+    summary = run(cfg)
+    from dflash.storage.layout import commit_path
+
+    last = Store.open(cfg.out).committed_ids()[-1]
+    (Path(cfg.out) / commit_path(last)).unlink()  # as if killed before its last commit
+    with caplog.at_level(logging.INFO, logger="dflash.extract.orchestrate"):
+        again = run(extract_config(tiny_qwen3, data_file, tmp_path / "old"))
+    assert "codec blosc: the store being resumed" in caplog.text
+    assert Store.open(cfg.out).header["codec"] == "blosc" and Store.open(cfg.out).is_complete()
+    assert again["samples"] == summary["samples"] == len(store_samples(cfg.out))  # nothing lost or twice
+    with pytest.raises(ManifestMismatch, match="codec"):
+        run(extract_config(tiny_qwen3, data_file, tmp_path / "old", codec="uq6"))
 
 
 def test_disk_full_stops_cleanly_and_committed_shards_stay_valid(data_file, tiny_qwen3, tmp_path, monkeypatch):

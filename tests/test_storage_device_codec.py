@@ -61,6 +61,28 @@ def test_the_device_codecs_are_the_stores_numpy_codecs_bit_for_bit_on_the_cpu():
     check_against_numpy("cpu")
 
 
+class NoDivisionByNumbers(torch.overrides.TorchFunctionMode):
+    """Fails a division of a tensor by a Python number: on CUDA torch computes it as a product with the number's
+    float32 reciprocal, up to an ulp off the CPU's quotient (ATen's BinaryDivTrueKernel.cu)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        names = ("__truediv__", "__itruediv__", "div", "div_", "true_divide")
+        if getattr(func, "__name__", "") in names and len(args) > 1 and isinstance(args[1], (int, float)):
+            raise AssertionError(f"{func.__name__} by the number {args[1]}: not correctly rounded on CUDA")
+        return func(*args, **kwargs)
+
+
+def test_the_device_codecs_divide_only_by_tensors_which_cuda_divides_exactly():
+    x = torch.from_numpy(hostile_features())[:8]
+    with NoDivisionByNumbers():
+        with pytest.raises(AssertionError, match="by the number 448"):  # the guard sees what it guards against
+            x / 448.0
+        for name in codec.SCALED_CODECS:
+            q, s = encode_on_device(x, name)
+            decode_on_device(q, s, name)
+
+
 @pytest.mark.gpu
 def test_the_device_codecs_are_the_stores_numpy_codecs_bit_for_bit_on_cuda():
     check_against_numpy("cuda")

@@ -57,6 +57,7 @@ def check_against_numpy(device: str) -> None:
         decode_on_device(dq, dscales, "blosc")
 
 
+@pytest.mark.internals  # torch's conversions and division: run on every new torch release (DFLASH_CI=newest)
 def test_the_device_codecs_are_the_stores_numpy_codecs_bit_for_bit_on_the_cpu():
     check_against_numpy("cpu")
 
@@ -73,6 +74,7 @@ class NoDivisionByNumbers(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@pytest.mark.internals
 def test_the_device_codecs_divide_only_by_tensors_which_cuda_divides_exactly():
     x = torch.from_numpy(hostile_features())[:8]
     with NoDivisionByNumbers():

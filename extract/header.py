@@ -11,7 +11,7 @@ from ..conversations import generated_by
 from ..errors import ConfigError, InputError
 from ..facts import NUM_FEATURE_LAYERS, build_target_layer_ids, validate_layer_ids
 from ..conversations import fingerprint, input_files
-from ..storage.codec import DEFAULT_CODEC
+from ..storage.codec import resolve_codec
 from ..targets.adapter import text_config
 from ..targets.load import runtime_record
 from ..targets.weights import WEIGHT_SUFFIXES, weight_files
@@ -220,7 +220,7 @@ def build_header(cfg: "ExtractConfig", model_config: Any, tokenizer: Any, templa
         "hidden_size": hidden,
         "feature_dtype": "bfloat16",
         "compute_dtype": cfg.dtype,
-        "codec": DEFAULT_CODEC if cfg.codec == "auto" else cfg.codec,  # auto: resolved by extract, else a new store's
+        "codec": resolve_codec(cfg.codec),  # extract resolves auto against a resumed store first
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "chat_template_hash": text_hash(template),
         # Only when given, so stores made before the option existed keep their header.

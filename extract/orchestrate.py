@@ -72,18 +72,15 @@ def _resolve_dtype(cfg: "ExtractConfig", device: str, stored: dict[str, Any] | N
 
 def _resolve_codec(cfg: "ExtractConfig", stored: dict[str, Any] | None) -> "ExtractConfig":
     """Return cfg with --codec made concrete: auto is the store's own codec when it is resumed (one made before uq6
-    became the default, 2026-12-05, resumes in blosc), else DEFAULT_CODEC."""
+    became the default, 2026-12-05, resumes in blosc), else the default (storage.codec.resolve_codec)."""
     import dataclasses
 
-    from ..storage.codec import CODECS, DEFAULT_CODEC
+    from ..storage.codec import resolve_codec
 
-    if cfg.codec != "auto":
-        return cfg
-    recorded = (stored or {}).get("codec")
-    if recorded in CODECS:
-        log.info("codec %s: the store being resumed (%s) was extracted in it", recorded, cfg.out)
-        return dataclasses.replace(cfg, codec=recorded)
-    return dataclasses.replace(cfg, codec=DEFAULT_CODEC)
+    codec = resolve_codec(cfg.codec, (stored or {}).get("codec"))
+    if cfg.codec == "auto" and stored and stored.get("codec") == codec:
+        log.info("codec %s: the store being resumed (%s) was extracted in it", codec, cfg.out)
+    return dataclasses.replace(cfg, codec=codec)
 
 
 def _worker_main(cfg_dict: dict[str, Any], spec: Any, plan: Any, report: Any) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import numpy as np
 __all__ = [
     "CODECS",
     "DEFAULT_CODEC",
+    "resolve_codec",
     "BLOSC_CONFIG",
     "FP8_MAX",
     "feature_dtype",
@@ -57,6 +58,14 @@ QUANT_DIVISORS = {"uq8": 8, "uq6": 6, "uq4": 4}
 # lossless store's; on one H200 the GPU demo's uq6 store took 0.346x raw bf16 at 1.030x blosc's measured tau
 # (bench/RESULTS.md, 2026-12-05). Stores made before keep theirs (blosc) when resumed.
 DEFAULT_CODEC = "uq6"
+
+
+def resolve_codec(codec: str, recorded: str | None = None) -> str:
+    """Return the codec a store is written in: `codec` as asked, or for auto the resumed store's own (`recorded`,
+    its header's) where it has one, else DEFAULT_CODEC."""
+    if codec != "auto":
+        return codec
+    return recorded if recorded in CODECS else DEFAULT_CODEC
 # Codecs whose features carry a float32 scale (step) a row, in a `feature_scales` array beside them.
 SCALED_CODECS = ("fp8", *QUANT_DIVISORS)
 ZIGZAG_MAX = 32767  # |q| <= this keeps a zigzagged integer in 16 bits

@@ -249,8 +249,9 @@ def main() -> None:
                     help="after each kernel choice's warm pass, one more forward under torch.profiler: its costliest "
                          "kernels (where an MoE forward's time goes)")
     ap.add_argument("--codec", default=None,
-                    help="the command's --codec (default: its own, blosc); with another --work than a run of another "
-                         "codec's: whether a shape's extraction waits on the disk (issue 44's DeepSeek-V3 cut)")
+                    help="the command's --codec (default: its own, uq6 for a new store since 2026-12-05); with another --work "
+                         "than a run of another codec's: whether a shape's extraction waits on the disk (issue 44's "
+                         "DeepSeek-V3 cut)")
     args = ap.parse_args()
     for a in (a for a in args.also.split(";") if a):
         parse_also(a)  # a misspelt entry ends the run before its first case, not after it

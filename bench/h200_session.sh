@@ -32,6 +32,10 @@
 #   PART 14: issue 44's MoE forward past the sentinel masks and the elementwise passes part 13's trace found: the
 #           Qwen3-30B-A3B and gpt-oss-20b shapes' chosen kernels beside targets/experts.py's forward and beside every
 #           decoder layer compiled (bench/forward_kernels.py --also)
+#   PART 16: the GPU tests of the codec on the device (tests/test_storage_device_codec.py, tests/test_extract_run.py's
+#           uq6 runs) and tests/test_kernels.py, then the DeepSeek-V3 cut's command with uq6 (the default since
+#           2026-12-05: half blosc's bytes, encoded on the GPU; its blosc run waited on the disk at 0.488 of its
+#           forward), then the Qwen3-30B-A3B shape's chosen kernels beside every decoder layer compiled
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -157,6 +161,15 @@ case "${1:-1}" in
     > "$OUT/fk_dsv3_own.txt" 2>&1; echo "fk deepseek_v3_cut own experts exit $?" >> "$OUT/gpu.txt"
   timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider --show-capture=no --tb=short -W ignore -n 0 \
     tests/test_kernels.py > "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests exit $?" >> "$OUT/gpu.txt"
+  ;;
+16)
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --show-capture=no --tb=short -W ignore -n 0 \
+    tests/test_storage_device_codec.py tests/test_extract_run.py tests/test_kernels.py > "$OUT/gpu_tests.txt" 2>&1
+  echo "gpu tests exit $?" >> "$OUT/gpu.txt"
+  timeout 170 python3 bench/forward_kernels.py --work /tmp/fk-uq6 --case deepseek_v3_cut --only-chosen --tokens 200000 \
+    --codec uq6 --out "$OUT/fk_dsv3_uq6.json" > "$OUT/fk_dsv3_uq6.txt" 2>&1; echo "fk deepseek_v3_cut uq6 exit $?" >> "$OUT/gpu.txt"
+  timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 100000 \
+    --also "sdpa,dflash_grouped_mm,compile" > "$OUT/fk_qwen3_compile.txt" 2>&1; echo "fk qwen3_30b_a3b compile exit $?" >> "$OUT/gpu.txt"
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

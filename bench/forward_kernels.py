@@ -135,7 +135,10 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
     out = []
     experts.register()
     extra = [parse_also(a) for a in also]
-    tried = [(k, False) for k in kernels.candidates(model, runner.kinds, device) if only is None or str(k) == only]
+    compiled_only = bool(only and only.endswith(", layers compiled"))  # the command compiled its layers
+    only = only.removesuffix(", layers compiled") if only else only
+    tried = [(k, compiled_only if only else False) for k in kernels.candidates(model, runner.kinds, device)
+             if only is None or str(k) == only]
     last = None
     for (k, compiled), floor in ((kc, f) for kc in tried + [kc for kc in extra if kc not in tried] for f in floors):
         if (k, compiled) != last:
@@ -188,7 +191,7 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
 def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     """Return the command's and each kernel choice's figures of one case."""
     work, folder, data = bt.prepare_case(name, CASES[name], SMOKE[name] if args.smoke else None, args)
-    flags = ["--codec", args.codec] if args.codec else []
+    flags = (["--codec", args.codec] if args.codec else []) + ["--compile", args.compile]
     cmd, _ = bt.extract_run(folder, data, work, "cpu" if args.smoke else "0", flags, "")
     said = command_figures((work / "extract.log").read_text())
     print(json.dumps({"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
@@ -244,6 +247,9 @@ def main() -> None:
                          "field ',compile' runs every decoder layer under torch.compile (dynamic shapes); a dense "
                          "target's experts field is empty (sdpa,,compile). Never the best forward the command is "
                          "held to: extract does not run them")
+    ap.add_argument("--compile", default="on", choices=("auto", "on", "off"),
+                    help="the command's --compile (default on: what auto does on a run of 10M tokens or more, the "
+                         "runs a user waits for; a case of this bench is shorter)")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     ap.add_argument("--trace", action="store_true",
                     help="after each kernel choice's warm pass, one more forward under torch.profiler: its costliest "

@@ -36,6 +36,11 @@
 #           uq6 runs) and tests/test_kernels.py, then the DeepSeek-V3 cut's command with uq6 (the default since
 #           2026-12-05: half blosc's bytes, encoded on the GPU; its blosc run waited on the disk at 0.488 of its
 #           forward), then the Qwen3-30B-A3B shape's chosen kernels beside every decoder layer compiled
+#   PART 17: the GPU tests of 16 again after their fixes (fp8's NaN coded by hand; test_kernels counts dflash's own
+#           warnings), then the GPU demo (part 5: uq6 with the codec on the GPU)
+#   PART 18: issue 44 with the decoder layers compiled (`dflash extract --compile on`, what auto does on a run of 10M
+#           tokens or more): the Qwen3-30B-A3B, gpt-oss-20b and DeepSeek-V3 shapes' commands beside their chosen
+#           forwards, compiled alike (tests/test_kernels.py -k compiled runs the compiled layers on CUDA)
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -170,6 +175,21 @@ case "${1:-1}" in
     --codec uq6 --out "$OUT/fk_dsv3_uq6.json" > "$OUT/fk_dsv3_uq6.txt" 2>&1; echo "fk deepseek_v3_cut uq6 exit $?" >> "$OUT/gpu.txt"
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk --case qwen3_30b_a3b --only-chosen --tokens 100000 \
     --also "sdpa,dflash_grouped_mm,compile" > "$OUT/fk_qwen3_compile.txt" 2>&1; echo "fk qwen3_30b_a3b compile exit $?" >> "$OUT/gpu.txt"
+  ;;
+17)
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --show-capture=no --tb=short -W ignore -n 0 \
+    tests/test_storage_device_codec.py tests/test_extract_run.py tests/test_kernels.py -k "not compiled" \
+    > "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests exit $?" >> "$OUT/gpu.txt"
+  demo "$(left)"
+  ;;
+18)
+  for c in qwen3_30b_a3b:200 gpt_oss_20b:230; do
+    timeout "$(left ${c#*:})" python3 bench/forward_kernels.py --work /tmp/fkc --case "${c%:*}" --only-chosen --tokens 100000 \
+      --out "$OUT/fkc_${c%:*}.json" > "$OUT/fkc_${c%:*}.txt" 2>&1; echo "fk ${c%:*} compiled exit $?" >> "$OUT/gpu.txt"
+    START=$SECONDS
+  done
+  timeout "$(left 140)" python3 bench/forward_kernels.py --work /tmp/fkc --case deepseek_v3_cut --only-chosen --tokens 100000 \
+    --out "$OUT/fkc_dsv3.json" > "$OUT/fkc_dsv3.txt" 2>&1; echo "fk deepseek_v3_cut compiled exit $?" >> "$OUT/gpu.txt"
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

@@ -18,6 +18,7 @@ __all__ = ["CODECS", "OFFLOADS", "parse_shard_weights", "DRAFTERS", "DTYPES", "D
 # storage/codec.py's, here without importing storage
 CODECS = ("blosc", "none", "fp8", "uq8", "uq6", "uq4", "bf16m3", "bf16m2", "bf16m1")
 OFFLOADS = ("none", "cpu")
+COMPILES = ("auto", "on", "off")
 DRAFTERS = ("dflash", "dflash2")
 DTYPES = ("bfloat16", "float32")
 DTYPE_CHOICES = ("auto",) + DTYPES  # auto: targets/numerics.py decides (bf16 on CUDA and on CPUs with native bf16)

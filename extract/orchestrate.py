@@ -366,7 +366,7 @@ def _extract(cfg: "ExtractConfig", tl: Any, model_config: Any, tokenizer: Any, d
                 loader.checked()
                 model = loader.result()
             with tl.stage("runner"):  # the truncated runner's self-check refuses a target it cannot run exactly
-                runner = feature_runner(cfg, header, model)
+                runner = feature_runner(cfg, header, model, plan.tokens_left)
             header = _with_kernels(header, runner)
         runner_s = time.perf_counter() - runner_t0
     except DflashError:

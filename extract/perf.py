@@ -48,7 +48,8 @@ def worker_perf(runner: Any, name: str, peak: float | None, flops: float, tokens
 def perf_line(p: dict[str, Any]) -> str:
     """Return the one-line human form of worker_perf's record."""
     k = p.get("kernels") or {}
-    kernels = f"attention {k.get('attention')}" + (f", experts {k['experts']}" if k.get("experts") else "")
+    kernels = (f"attention {k.get('attention')}" + (f", experts {k['experts']}" if k.get("experts") else "")
+               + (", layers compiled" if k.get("compiled") else ""))
     per = f"{_si(p['flops_per_token'])}FLOP a token" if p.get("flops_per_token") else "no tokens"
     rate = f"{_si(p['tflops_per_s'] * 1e12)}FLOP/s" if p.get("tflops_per_s") is not None else "no rate"
     if p.get("peak_flops"):

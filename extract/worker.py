@@ -136,12 +136,37 @@ def host_buffers(cfg: "ExtractConfig", header: dict[str, Any], device: str) -> A
     return HostBuffers(shape, device).start()
 
 
-def feature_runner(cfg: "ExtractConfig", header: dict[str, Any], model: Any) -> Any:
+# --compile auto compiles the decoder layers on a GPU for a run with this many tokens left at least: compiling took
+# ~15 s of a Qwen3-30B-A3B-shaped worker on one H100 and sped its forward up 1.62x (bench/RESULTS.md, 2026-12-05),
+# so a run of minutes of forward gains; the GPU demo's 2.7M tokens (a minute) stay eager.
+COMPILE_MIN_TOKENS = 10_000_000
+
+
+def compile_layers(cfg: "ExtractConfig", device: Any, tokens_left: int) -> bool:
+    """Return whether a resident target's decoder layers are compiled (--compile; auto: see COMPILE_MIN_TOKENS)."""
+    import torch
+
+    choice = getattr(cfg, "compile", "auto")
+    if choice != "auto":
+        return choice == "on"
+    if torch.device(device).type != "cuda":
+        return False
+    if tokens_left < COMPILE_MIN_TOKENS:
+        log.info("decoder layers run eager: this run's ~%s tokens left are under --compile auto's %s (--compile on "
+                 "compiles them anyway)", f"{tokens_left:,}", f"{COMPILE_MIN_TOKENS:,}")
+        return False
+    return True
+
+
+def feature_runner(cfg: "ExtractConfig", header: dict[str, Any], model: Any, tokens_left: int = 0) -> Any:
     """Return the truncated runner of a loaded target, checked against the full model (InputError when it differs)
-    on rows as long as the longest sample extraction runs, or longer than every attention window."""
+    on rows as long as the longest sample extraction runs, or longer than every attention window; its decoder layers
+    compiled as --compile says for a run of tokens_left tokens."""
     from ..targets.runner import TargetRunner
 
-    return TargetRunner(model, header["layer_ids"], check_length=cfg.max_length)
+    device = next(model.parameters()).device
+    return TargetRunner(model, header["layer_ids"], check_length=cfg.max_length,
+                        compile_layers=compile_layers(cfg, device, tokens_left))
 
 
 def sharded_runner(cfg: "ExtractConfig", header: dict[str, Any], device: Any) -> Any:
@@ -169,7 +194,8 @@ def sharded_runner(cfg: "ExtractConfig", header: dict[str, Any], device: Any) ->
 
 def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, pad_id: int,
                      on_batch: Callable[[int, int], None] | None = None, timeline: Any = None,
-                     runner: Any = None, buffers: Any = None, codec: str | None = None) -> Any:
+                     runner: Any = None, buffers: Any = None, codec: str | None = None,
+                     tokens_left: int = 0) -> Any:
     """Return the feature pipeline of the target on `device` (loaded and checked now unless `runner` is the
     target's runner already made; buffers: its host buffers already being allocated, else they are allocated
     beside this load; codec: the store's, which a CUDA pipeline encodes fp8 and uq features in before their copy
@@ -199,7 +225,7 @@ def feature_pipeline(cfg: "ExtractConfig", header: dict[str, Any], device: str, 
         with stage("model_load"):
             model = load_for_features(cfg.model, dev, getattr(torch, cfg.dtype))
         with stage("runner"):  # the truncated runner and its self-check against the full model
-            runner = feature_runner(cfg, header, model)
+            runner = feature_runner(cfg, header, model, tokens_left)
     with stage("host_buffers"):  # waiting for the pinned host buffers features are copied into
         return FeaturePipeline(runner, cfg.batch_tokens, pad_id=pad_id, on_batch=on_batch, timeline=timeline,
                                profile=profile, buffers=buffers, floor_tokens=batch_floor(cfg), codec=codec)
@@ -244,7 +270,7 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
         pipeline = feature_pipeline(
             cfg, header, spec.device, pad_id,
             on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}),
-            timeline=tl, runner=runner, buffers=buffers, codec=store.header["codec"])
+            timeline=tl, runner=runner, buffers=buffers, codec=store.header["codec"], tokens_left=plan.tokens_left)
         loaded["load_s"] = runner_s + time.perf_counter() - t_start
         made.append(pipeline)
         return pipeline

@@ -53,9 +53,13 @@ def encode_on_device(features: "torch.Tensor", codec: str) -> tuple["torch.Tenso
         amax = x.abs().amax(dim=-1)
         amax = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax))
         scale = _div(amax, FP8_MAX)
-        # A NaN keeps its sign (numpy's codec keeps it; CUDA's division makes every NaN positive).
-        x = torch.where(torch.isnan(x), x, x / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX)
-        return x.to(torch.float8_e4m3fn).view(torch.uint8), scale
+        # NaN is coded by hand, 0x7F with its sign as numpy's codec codes it: on CUDA the division and the
+        # conversion may each drop a NaN's sign (an H100 coded a positive NaN otherwise, 2026-12-05).
+        nan = torch.isnan(x)
+        q = torch.where(nan, torch.zeros_like(x), x / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX)
+        q = q.to(torch.float8_e4m3fn).view(torch.uint8)
+        nan_code = torch.where(torch.signbit(x), torch.full_like(q, 0xFF), torch.full_like(q, 0x7F))
+        return torch.where(nan, nan_code, q), scale
     divisor = QUANT_DIVISORS[codec]
     H = x.shape[-1]
     stride = max(1, H // 256)

@@ -3,6 +3,7 @@ DFlash features."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ class TargetRunner:
     grad_mode = staticmethod(torch.inference_mode)
 
     def __init__(self, model: Any, layer_ids: list[int], *, check: bool = True, check_length: int = 4096,
-                 cudnn_attention: bool = False, choose_kernels: bool = True) -> None:
+                 cudnn_attention: bool = False, choose_kernels: bool = True, compile_layers: bool = False) -> None:
         where = getattr(getattr(model, "config", None), "_name_or_path", "") or "the target"
         text = text_model(model, where)
         cfg = text_config(text.config)
@@ -47,8 +48,14 @@ class TargetRunner:
             _log_linear_attention_path(cfg.model_type, text.embed_tokens.weight.device)
         # The attention and experts kernels: the fastest that equals the model's eager float32 forward (kernels.py),
         # chosen and checked by the self-check; without it, whatever the model was loaded with.
+        # compile_layers: every decoder layer under torch.compile, where the self-check finds it exact (kernels.choose;
+        # unchecked without the check, never with choose_kernels=False).
         self.kernels = kernels.current(model)
+        self._compile = compile_layers
         reference = self._reference(model, check_length, choose_kernels) if check else None
+        if compile_layers and not check:
+            kernels.compile_layers(text.layers[: self.depth])
+            self.kernels = replace(self.kernels, compiled=True)
         # Drop what extract never runs, so its memory is free for bigger batches. The config is left whole: some
         # forwards read it for the layers they keep (Gemma 4's KV-shared layers count from the last one).
         text.layers = text.layers[: self.depth]
@@ -64,6 +71,8 @@ class TargetRunner:
         self.dtype = text.embed_tokens.weight.dtype
         if reference is not None:
             self._compare(cfg, *reference)
+            if self.kernels.compiled:  # a batch of one row compiles once more (torch specialises a size of 1): now
+                self.hidden(reference[0][:1, : reference[1][0]])
 
     def _take(self, i: int) -> Any:
         def hook(module: Any, args: Any, output: Any) -> None:
@@ -116,7 +125,8 @@ class TargetRunner:
         ids, lengths = self._check_ids(text_config(self.text.config), check_length)
         if choose_kernels:
             dtype = str(self.text.embed_tokens.weight.dtype).removeprefix("torch.")
-            self.kernels, refs = kernels.choose(model, self.text, ids, lengths, self.layer_ids, self.kinds, dtype)
+            self.kernels, refs = kernels.choose(model, self.text, ids, lengths, self.layer_ids, self.kinds, dtype,
+                                                compile=self._compile)
         else:
             refs = kernels.captured(kernels.model_states(model, ids, self.depth, lengths), self.layer_ids)
         return ids, lengths, refs

@@ -191,7 +191,7 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
 def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     """Return the command's and each kernel choice's figures of one case."""
     work, folder, data = bt.prepare_case(name, CASES[name], SMOKE[name] if args.smoke else None, args)
-    flags = (["--codec", args.codec] if args.codec else []) + ["--compile", args.compile]
+    flags = (["--codec", args.codec] if args.codec else []) + ["--compile-layers", args.compile]
     cmd, _ = bt.extract_run(folder, data, work, "cpu" if args.smoke else "0", flags, "")
     said = command_figures((work / "extract.log").read_text())
     print(json.dumps({"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
@@ -247,17 +247,17 @@ def main() -> None:
                          "field ',compile' runs every decoder layer under torch.compile (dynamic shapes); a dense "
                          "target's experts field is empty (sdpa,,compile). Never the best forward the command is "
                          "held to: extract does not run them")
-    ap.add_argument("--compile", default="on", choices=("auto", "on", "off"),
-                    help="the command's --compile (default on: what auto does on a run of 10M tokens or more, the "
-                         "runs a user waits for; a case of this bench is shorter)")
+    ap.add_argument("--compile-layers", dest="compile", default="on", choices=("auto", "on", "off"),
+                    help="the command's --compile-layers (default on: what auto does on a run of 10M tokens or "
+                         "more, the runs a user waits for; a case of this bench is shorter)")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     ap.add_argument("--trace", action="store_true",
                     help="after each kernel choice's warm pass, one more forward under torch.profiler: its costliest "
                          "kernels (where an MoE forward's time goes)")
     ap.add_argument("--codec", default=None,
-                    help="the command's --codec (default: its own, uq6 for a new store since 2026-12-05); with another --work "
-                         "than a run of another codec's: whether a shape's extraction waits on the disk (issue 44's "
-                         "DeepSeek-V3 cut)")
+                    help="the command's --codec (default: its own, uq6 for a new store since 2026-12-05); with "
+                         "another --work than a run of another codec's: whether a shape's extraction waits on the "
+                         "disk (issue 44's DeepSeek-V3 cut)")
     args = ap.parse_args()
     for a in (a for a in args.also.split(";") if a):
         parse_also(a)  # a misspelt entry ends the run before its first case, not after it

@@ -38,9 +38,9 @@
 #           forward), then the Qwen3-30B-A3B shape's chosen kernels beside every decoder layer compiled
 #   PART 17: the GPU tests of 16 again after their fixes (fp8's NaN coded by hand; test_kernels counts dflash's own
 #           warnings), then the GPU demo (part 5: uq6 with the codec on the GPU)
-#   PART 18: issue 44 with the decoder layers compiled (`dflash extract --compile on`, what auto does on a run of 10M
-#           tokens or more): the Qwen3-30B-A3B, gpt-oss-20b and DeepSeek-V3 shapes' commands beside their chosen
-#           forwards, compiled alike (tests/test_kernels.py -k compiled runs the compiled layers on CUDA)
+#   PART 18: issue 44 with the decoder layers compiled (`dflash extract --compile-layers on`, what auto does on a
+#           run of 10M tokens or more): the Qwen3-30B-A3B, gpt-oss-20b and DeepSeek-V3 shapes' commands beside
+#           their chosen forwards, compiled alike (tests/test_kernels.py -k compiled runs the compiled layers on CUDA)
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -193,5 +193,5 @@ case "${1:-1}" in
   ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
+for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

@@ -42,12 +42,13 @@ class ExtractConfig(StageConfig):
                              "blosc (lossless, ~0.69x), none (raw), fp8 (lossy, ~0.42x, measured tau 0.988x), bf16m3 "
                              "/ bf16m2 / bf16m1 (lossy, ~0.45x / ~0.39x / ~0.35x: bf16 rounded to 3 / 2 / 1 of its 7 "
                              "mantissa bits, no scales). On a GPU the scaled codecs (uq, fp8) are computed on it.")
-    compile: str = option(
+    compile_layers: str = option(
         "auto", choices=COMPILES,
         help="Run the target's decoder layers under torch.compile where the self-check finds them exact: on, off, or "
              "auto (on a GPU for a run of 10M tokens or more left, where the compilation, tens of seconds a worker, "
-             "is small against the forward it speeds up: 1.62x on a Qwen3-30B-A3B shape, bench/RESULTS.md). Not for "
-             "--shard-weights or --offload targets. The log and the store header say whether it ran.")
+             "is small against the forward it speeds up: 1.5-1.6x on a Qwen3-30B-A3B shape, bench/RESULTS.md; not "
+             "where the attention is flex, not measured faster yet). Not for --shard-weights or --offload targets. "
+             "The log and the store header say whether it ran.")
     chat_template: str | None = option(None, help="Jinja chat template file to use instead of the tokenizer's.")
     chat_template_kwargs: dict[str, Any] | None = option(
         None, parse="parse_json_object", metavar="JSON",
@@ -105,7 +106,8 @@ class ExtractConfig(StageConfig):
         check(self.writer_threads is None or self.writer_threads >= 1,
                f"--writer-threads must be >= 1, got {self.writer_threads}")
         parse_shard_weights(self.shard_weights)
-        check(self.compile in COMPILES, f"--compile {self.compile!r} is not one of {', '.join(COMPILES)}")
+        check(self.compile_layers in COMPILES,
+              f"--compile-layers {self.compile_layers!r} is not one of {', '.join(COMPILES)}")
         check(self.offload in OFFLOADS, f"--offload {self.offload!r} is not one of {', '.join(OFFLOADS)}")
         check(self.collective_timeout >= 1, f"--collective-timeout must be >= 1, got {self.collective_timeout}")
         if self.layers is not None:

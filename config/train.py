@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import StageConfig
-from .options import (DPACE_ALPHA, DRAFTERS, DTYPE_CHOICES, POSITION_WEIGHTS, cache_dir_option, cache_gb_option,
-                      check, check_budgets, check_cache, drafter_option, option, parse_gpus,
+from .options import (COMPILES, DPACE_ALPHA, DRAFTERS, DTYPE_CHOICES, POSITION_WEIGHTS, cache_dir_option,
+                      cache_gb_option, check, check_budgets, check_cache, drafter_option, option, parse_gpus,
                       position_weights_option, tree_tau_nodes_option)
 
 __all__ = ["TrainConfig"]
@@ -62,7 +62,7 @@ class TrainConfig(StageConfig):
     attention: str = option("auto", choices=("auto", "flex", "sdpa"),
                             help="Attention kernel: auto is flex on CUDA, sdpa on CPU.")
     compile_layers: str = option(
-        "auto", choices=("auto", "on", "off"),
+        "auto", choices=COMPILES,
         help="torch.compile each drafter layer's norms, projections, RoPE and MLP (attention is compiled apart), "
              "with dynamic shapes: one compile (~30 s) for the whole run. auto is on on CUDA (one H200, 8B-sized "
              "drafter, mixed lengths: MFU 37.0% -> 44.3%), off on CPU. The same math to float rounding.")

@@ -136,32 +136,33 @@ def host_buffers(cfg: "ExtractConfig", header: dict[str, Any], device: str) -> A
     return HostBuffers(shape, device).start()
 
 
-# --compile auto compiles the decoder layers on a GPU for a run with this many tokens left at least: compiling took
-# ~15 s of a Qwen3-30B-A3B-shaped worker on one H100 and sped its forward up 1.62x (bench/RESULTS.md, 2026-12-05),
+# --compile-layers auto compiles the decoder layers on a GPU for a run with this many tokens left at least: compiling
+# took ~15 s of a Qwen3-30B-A3B-shaped worker on one H100 and sped its forward up 1.62x (bench/RESULTS.md, 2026-12-05),
 # so a run of minutes of forward gains; the GPU demo's 2.7M tokens (a minute) stay eager.
 COMPILE_MIN_TOKENS = 10_000_000
 
 
-def compile_layers(cfg: "ExtractConfig", device: Any, tokens_left: int) -> bool:
-    """Return whether a resident target's decoder layers are compiled (--compile; auto: see COMPILE_MIN_TOKENS)."""
+def compile_layers(cfg: "ExtractConfig", device: Any, tokens_left: int) -> str:
+    """Return whether a resident target's decoder layers are compiled, as TargetRunner takes it: "on", "off", or
+    "auto" (compiled unless its attention is flex) on a GPU for a run of COMPILE_MIN_TOKENS tokens left or more."""
     import torch
 
-    choice = getattr(cfg, "compile", "auto")
+    choice = getattr(cfg, "compile_layers", "auto")
     if choice != "auto":
-        return choice == "on"
+        return choice
     if torch.device(device).type != "cuda":
-        return False
+        return "off"
     if tokens_left < COMPILE_MIN_TOKENS:
-        log.info("decoder layers run eager: this run's ~%s tokens left are under --compile auto's %s (--compile on "
-                 "compiles them anyway)", f"{tokens_left:,}", f"{COMPILE_MIN_TOKENS:,}")
-        return False
-    return True
+        log.info("decoder layers run eager: this run's ~%s tokens left are under --compile-layers auto's %s "
+                 "(--compile-layers on compiles them anyway)", f"{tokens_left:,}", f"{COMPILE_MIN_TOKENS:,}")
+        return "off"
+    return "auto"
 
 
 def feature_runner(cfg: "ExtractConfig", header: dict[str, Any], model: Any, tokens_left: int = 0) -> Any:
     """Return the truncated runner of a loaded target, checked against the full model (InputError when it differs)
     on rows as long as the longest sample extraction runs, or longer than every attention window; its decoder layers
-    compiled as --compile says for a run of tokens_left tokens."""
+    compiled as --compile-layers says for a run of tokens_left tokens."""
     from ..targets.runner import TargetRunner
 
     device = next(model.parameters()).device

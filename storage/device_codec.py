@@ -53,8 +53,8 @@ def encode_on_device(features: "torch.Tensor", codec: str) -> tuple["torch.Tenso
         amax = x.abs().amax(dim=-1)
         amax = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax))
         scale = _div(amax, FP8_MAX)
-        # NaN is coded by hand, 0x7F with its sign as numpy's codec codes it: on CUDA the division and the
-        # conversion may each drop a NaN's sign (an H100 coded a positive NaN otherwise, 2026-12-05).
+        # NaN is coded by hand, 0x7F with its sign as numpy's codec codes it: whatever sign CUDA's division and
+        # conversion would leave a NaN with, the bits are the CPU's.
         nan = torch.isnan(x)
         q = torch.where(nan, torch.zeros_like(x), x / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX)
         q = q.to(torch.float8_e4m3fn).view(torch.uint8)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 __all__ = ["Kernels", "TOLERANCE", "has_experts", "current", "attention_order", "experts_order", "candidates", "apply",
-           "model_states", "eager_float32_states", "captured", "relative_error", "choose", "attention_backends", "accepts",
-           "compile_layers"]
+           "model_states", "eager_float32_states", "captured", "relative_error", "choose", "attention_backends",
+           "accepts", "compile_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -295,12 +295,13 @@ def relative_error(got: list[Any], want: list[Any]) -> tuple[float, int, int]:
 
 
 def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[int], kinds: list[str],
-           dtype: str, compile: bool = False) -> tuple[Kernels, list[Any]]:
+           dtype: str, compile: str = "off") -> tuple[Kernels, list[Any]]:
     """Return the first candidate kernels whose forward equals the eager float32 forward within the dtype's
     rounding (the model is left running them), and that forward's captured states on the rows (what the
     truncated runner is then checked against). Logs the choice, and every candidate it passed over and why.
-    compile: then the same with every decoder layer compiled (compile_layers), held to the same bound; where it
-    fails to compile or differs more, the layers run eager again and a warning says why."""
+    compile: "on", then the same with every decoder layer compiled (compile_layers), held to the same bound; where
+    it fails to compile or differs more, the layers run eager again and a warning says why; "auto", the same unless
+    the attention chosen is flex (compiled layers around flex are not measured faster yet); "off", never."""
     depth = max(layer_ids) + 1
     rows = f"{len(lengths)} rows of up to {max(lengths)} tokens"
     options = candidates(model, kinds, ids.device)
@@ -335,7 +336,10 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
                 apply(model, k)
             bound = max(tol, 2 * eager_err)
         if err <= bound or last:
-            if compile:
+            if compile == "auto" and k.attention == "flex_attention":
+                log.info("decoder layers run eager: --compile-layers auto leaves a target on flex attention eager (its "
+                         "compiled layers are not measured faster yet); --compile-layers on compiles them")
+            elif compile in ("on", "auto"):
                 if eager_err is None and dtype != "float32":
                     apply(model, options[-1])
                     eager_err = relative_error(model_states(model, ids, depth, lengths), ref)[0]

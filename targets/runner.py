@@ -35,7 +35,8 @@ class TargetRunner:
     grad_mode = staticmethod(torch.inference_mode)
 
     def __init__(self, model: Any, layer_ids: list[int], *, check: bool = True, check_length: int = 4096,
-                 cudnn_attention: bool = False, choose_kernels: bool = True, compile_layers: bool = False) -> None:
+                 cudnn_attention: bool = False, choose_kernels: bool = True,
+                 compile_layers: bool | str = False) -> None:
         where = getattr(getattr(model, "config", None), "_name_or_path", "") or "the target"
         text = text_model(model, where)
         cfg = text_config(text.config)
@@ -48,12 +49,13 @@ class TargetRunner:
             _log_linear_attention_path(cfg.model_type, text.embed_tokens.weight.device)
         # The attention and experts kernels: the fastest that equals the model's eager float32 forward (kernels.py),
         # chosen and checked by the self-check; without it, whatever the model was loaded with.
-        # compile_layers: every decoder layer under torch.compile, where the self-check finds it exact (kernels.choose;
-        # unchecked without the check, never with choose_kernels=False).
+        # compile_layers: every decoder layer under torch.compile, where the self-check finds it exact (kernels.choose:
+        # True or "on"; "auto": unless the attention is flex); unchecked without the check, never with
+        # choose_kernels=False.
         self.kernels = kernels.current(model)
-        self._compile = compile_layers
+        self._compile = {True: "on", False: "off"}.get(compile_layers, compile_layers)  # type: ignore[call-overload]
         reference = self._reference(model, check_length, choose_kernels) if check else None
-        if compile_layers and not check:
+        if self._compile == "on" and not check:
             kernels.compile_layers(text.layers[: self.depth])
             self.kernels = replace(self.kernels, compiled=True)
         # Drop what extract never runs, so its memory is free for bigger batches. The config is left whole: some

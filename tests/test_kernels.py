@@ -297,8 +297,8 @@ def test_dflash_experts_equal_transformers_grouped_gemms(arch, tiny_target):  # 
         assert float((a - b).abs().max() / b.abs().max()) < 1e-4
 
 
-def test_compiled_layers_are_checked_like_a_kernel_and_give_the_eager_layers_features(tiny_target, caplog):  # noqa: F811
-    """--compile: the decoder layers under torch.compile (inductor, dynamic shapes) pass the same self-check as a
+def test_compiled_layers_are_checked_like_a_kernel_and_give_eager_features(tiny_target, caplog):  # noqa: F811
+    """--compile-layers: the decoder layers under torch.compile (inductor, dynamic shapes) pass the same self-check as a
     kernel, are named in the runner's kernels (the log, the header, every commit record), and give the eager layers'
     features on batches of other shapes than the check's, the captured layers' hooks included."""
     from dflash.targets.runner import TargetRunner
@@ -355,3 +355,21 @@ def test_on_cuda_compiled_layers_are_exact_and_taken(arch, tiny_target, caplog):
     ids = torch.randint(0, 200, (2, 5 * TINY_WINDOW + 3), device=dev)
     for got, want in zip(runner.hidden(ids), eager.hidden(ids)):
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.05
+
+
+def test_compile_layers_auto_compiles_long_gpu_runs_only(caplog):
+    """--compile-layers auto: off on the CPU and for a GPU run under COMPILE_MIN_TOKENS tokens left (the compilation
+    would not pay for itself; the log says so), "auto" for a longer GPU run (kernels.choose then leaves flex
+    attention's targets eager); on and off are taken as given."""
+    from types import SimpleNamespace
+
+    from dflash.extract.worker import COMPILE_MIN_TOKENS, compile_layers
+
+    auto = SimpleNamespace(compile_layers="auto")
+    assert compile_layers(auto, "cpu", 10**12) == "off"
+    with caplog.at_level(logging.INFO, logger="dflash"):
+        assert compile_layers(auto, "cuda:0", COMPILE_MIN_TOKENS - 1) == "off"
+    assert "under --compile-layers auto's 10,000,000" in caplog.text
+    assert compile_layers(auto, "cuda:1", COMPILE_MIN_TOKENS) == "auto"
+    assert compile_layers(SimpleNamespace(compile_layers="on"), "cpu", 0) == "on"
+    assert compile_layers(SimpleNamespace(compile_layers="off"), "cuda:0", 10**12) == "off"

@@ -181,6 +181,9 @@ def sharded_runner(cfg: "ExtractConfig", header: dict[str, Any], device: Any) ->
     import torch.distributed as dist
 
     init_group(device, cfg.collective_timeout)
+    if getattr(cfg, "compile_layers", "auto") == "on":
+        log.warning("--compile-layers on: a target sharded or offloaded (--shard-weights, --offload) runs its layers "
+                    "eager; compiling them is not supported yet")
     shard = parse_shard_weights(cfg.shard_weights) or 1
     if dist.get_world_size() == 1:
         # no peers: no collective to time out (a large target's host load may take longer) and no lockstep, so an

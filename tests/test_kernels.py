@@ -297,6 +297,7 @@ def test_dflash_experts_equal_transformers_grouped_gemms(arch, tiny_target):  # 
         assert float((a - b).abs().max() / b.abs().max()) < 1e-4
 
 
+@pytest.mark.internals  # torch.compile's module compilation and dynamo's limits: run on every new torch release
 def test_compiled_layers_are_checked_like_a_kernel_and_give_eager_features(tiny_target, caplog):  # noqa: F811
     """--compile-layers: the decoder layers under torch.compile (inductor, dynamic shapes) pass the same self-check as a
     kernel, are named in the runner's kernels (the log, the header, every commit record), and give the eager layers'

@@ -41,6 +41,10 @@
 #   PART 18: issue 44 with the decoder layers compiled (`dflash extract --compile-layers on`, what auto does on a
 #           run of 10M tokens or more): the Qwen3-30B-A3B, gpt-oss-20b and DeepSeek-V3 shapes' commands beside
 #           their chosen forwards, compiled alike (tests/test_kernels.py -k compiled runs the compiled layers on CUDA)
+#   PART 19: what the ninth session's device time did not reach: the GPU tests of the codec on the device (fixed
+#           test) and of the compiled layers (-k compiled), then the Qwen3-30B-A3B shape's compiled command over 400K
+#           tokens (its logs back this time: the 0.718 of its forward over 100K), then the DeepSeek-V3 cut's
+#           compiled forward in the time left
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -189,6 +193,15 @@ case "${1:-1}" in
     START=$SECONDS
   done
   timeout "$(left 140)" python3 bench/forward_kernels.py --work /tmp/fkc --case deepseek_v3_cut --only-chosen --tokens 100000 \
+    --out "$OUT/fkc_dsv3.json" > "$OUT/fkc_dsv3.txt" 2>&1; echo "fk deepseek_v3_cut compiled exit $?" >> "$OUT/gpu.txt"
+  ;;
+19)
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --show-capture=no --tb=short -W ignore -n 0 \
+    tests/test_storage_device_codec.py tests/test_kernels.py > "$OUT/gpu_tests.txt" 2>&1
+  echo "gpu tests exit $?" >> "$OUT/gpu.txt"
+  timeout 240 python3 bench/forward_kernels.py --work /tmp/fkc --case qwen3_30b_a3b --only-chosen --tokens 400000 \
+    --out "$OUT/fkc_qwen3.json" > "$OUT/fkc_qwen3.txt" 2>&1; echo "fk qwen3_30b_a3b compiled exit $?" >> "$OUT/gpu.txt"
+  timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fkc --case deepseek_v3_cut --only-chosen --tokens 150000 \
     --out "$OUT/fkc_dsv3.json" > "$OUT/fkc_dsv3.txt" 2>&1; echo "fk deepseek_v3_cut compiled exit $?" >> "$OUT/gpu.txt"
   ;;
 esac

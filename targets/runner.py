@@ -83,7 +83,26 @@ class TargetRunner:
         return hook
 
     def hidden(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
-        """Return the outputs [B, S, H] of the captured decoder layers for right-padded input_ids [B, S]."""
+        """Return the outputs [B, S, H] of the captured decoder layers for right-padded input_ids [B, S].
+
+        Compiled layers that fail on a batch (a kind of batch the start-up check did not see, compiled anew, and
+        torch's compiler failing on it) run eager from then on, with a warning, rather than end the run: the eager
+        layers passed the same check. Every later commit record names the kernels its shard ran in."""
+        try:
+            return self._hidden(input_ids)
+        except torch.OutOfMemoryError:
+            raise  # the pipeline's to split, not a compiler's failure
+        except Exception as e:  # noqa: BLE001 - only where the layers are compiled: the eager forward decides
+            if not self.kernels.compiled:
+                raise
+            log.warning("the compiled decoder layers failed on a batch of %d x %d tokens (%s: %s); they run eager "
+                        "from here on (--compile-layers off starts that way)", *input_ids.shape, type(e).__name__,
+                        str(e).splitlines()[0][:200] if str(e) else "")
+            kernels.compile_layers(self.text.layers, on=False)
+            self.kernels = replace(self.kernels, compiled=False)
+            return self._hidden(input_ids)
+
+    def _hidden(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
         self._taken.clear()
         with self.grad_mode(), attention_backends(input_ids.device, self.cudnn_attention):
             self.text(input_ids=input_ids, use_cache=False)

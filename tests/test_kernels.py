@@ -317,6 +317,21 @@ def test_compiled_layers_are_checked_like_a_kernel_and_give_eager_features(tiny_
         for got, want in zip(runner.hidden(ids), eager.hidden(ids)):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
+    # A compiled layer that fails later (a new kind of batch compiled anew, the compiler failing on it): the batch
+    # and the ones after it run eager, with a warning, and the runner's kernels (every later commit record) say so.
+    def compiler_fails(*args, **kwargs):
+        raise RuntimeError("inductor: a batch this compiler cannot take")
+
+    for layer in runner.text.layers:
+        layer._compiled_call_impl = compiler_fails
+    ids = torch.randint(0, 200, (2, 51), generator=gen)
+    with caplog.at_level(logging.WARNING, logger="dflash"):
+        got = runner.hidden(ids)
+    assert "compiled decoder layers failed on a batch of 2 x 51 tokens (RuntimeError: inductor" in caplog.text
+    assert not runner.kernels.compiled and "layers compiled" not in str(runner.kernels)
+    for g, want in zip(got, eager.hidden(ids)):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
+
 
 def test_layers_that_do_not_compile_run_eager_with_a_warning(tiny_target, caplog, monkeypatch):  # noqa: F811
     """A target whose layers torch cannot compile here keeps its checked kernels and eager layers, and says why."""

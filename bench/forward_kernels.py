@@ -143,10 +143,7 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
     for (k, compiled), floor in ((kc, f) for kc in tried + [kc for kc in extra if kc not in tried] for f in floors):
         if (k, compiled) != last:
             torch._dynamo.reset()  # compiled afresh for these kernels: the first floor's cold pass compiles
-            for layer in runner.text.layers:
-                layer._compiled_call_impl = None
-                if compiled:
-                    layer.compile(dynamic=True)
+            kernels.compile_layers(runner.text.layers, on=compiled)
             last = (k, compiled)
         batches = packed[floor][1]
         tokens = sum(sum(lens) for _, lens in batches)

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 __all__ = ["Kernels", "TOLERANCE", "has_experts", "current", "attention_order", "experts_order", "candidates", "apply",
            "model_states", "eager_float32_states", "captured", "relative_error", "choose", "attention_backends",
-           "accepts", "compile_layers"]
+           "accepts", "compile_layers", "first_line"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,11 @@ def accepts(model: Any, name: str) -> bool:
 # so bf16 is allowed 2e-2, or twice what the model's own eager kernels show in bf16 where that is more. A kernel
 # that loses a window, the sinks or the routing weights changes the updates of every token it touches: tens of %.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
+
+
+def first_line(e: BaseException) -> str:
+    """Return an exception's first line, at most 200 characters (what a one-line log message quotes of it)."""
+    return str(e).splitlines()[0][:200] if str(e) else ""
 
 
 @dataclass(frozen=True)
@@ -311,11 +316,22 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
     except Exception as e:  # noqa: BLE001 - e.g. a layer too large to upcast on this device: the dtype's own eager
         against = f"the model's eager {dtype} forward"
         log.warning("the eager float32 reference cannot run here (%s: %s): kernels are checked against %s instead",
-                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", against)
+                    type(e).__name__, first_line(e), against)
         apply(model, options[-1])
         ref = model_states(model, ids, depth, lengths)
     tol = TOLERANCE.get(dtype, TOLERANCE["bfloat16"])
     eager_err: float | None = None
+
+    def drift(k: Kernels) -> float:
+        """How far the model's own eager kernels drift from the reference in this dtype (the rounding to allow),
+        measured once; the model is left running k."""
+        nonlocal eager_err
+        if eager_err is None:
+            apply(model, options[-1])
+            eager_err = relative_error(model_states(model, ids, depth, lengths), ref)[0]
+            apply(model, k)
+        return eager_err
+
     for n, k in enumerate(options):
         last = n == len(options) - 1
         try:
@@ -323,29 +339,21 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
             got = model_states(model, ids, depth, lengths)
         except Exception as e:  # noqa: BLE001 - a kernel this model, machine or shape cannot run: the next one
             log.warning("%s: cannot run here (%s: %s); trying %s", k, type(e).__name__,
-                        str(e).splitlines()[0][:200] if str(e) else "", options[n + 1] if not last else "nothing")
+                        first_line(e), options[n + 1] if not last else "nothing")
             if last:
                 raise
             continue
         err, layer, row = relative_error(got, ref)
         bound = tol
         if not err <= tol and dtype != "float32" and not last:
-            if eager_err is None:  # how far the model's own kernels drift in this dtype: the rounding to allow
-                apply(model, options[-1])
-                eager_err = relative_error(model_states(model, ids, depth, lengths), ref)[0]
-                apply(model, k)
-            bound = max(tol, 2 * eager_err)
+            bound = max(tol, 2 * drift(k))
         if err <= bound or last:
             if compile == "auto" and k.attention == "flex_attention":
                 log.info("decoder layers run eager: --compile-layers auto leaves a target on flex attention eager (its "
                          "compiled layers are not measured faster yet); --compile-layers on compiles them")
             elif compile in ("on", "auto"):
-                if eager_err is None and dtype != "float32":
-                    apply(model, options[-1])
-                    eager_err = relative_error(model_states(model, ids, depth, lengths), ref)[0]
-                    apply(model, k)
-                k, got, err = _compiled(model, text, ids, lengths, depth, ref, k, got, err,
-                                        max(tol, 2 * (eager_err or 0.0)), against, dtype)
+                bound = max(tol, 2 * drift(k)) if dtype != "float32" else tol
+                k, got, err = _compiled(model, text, ids, lengths, depth, ref, k, got, err, bound, against, dtype)
             log.info("kernels: %s (checked against %s on %s: each layer's update within %.2g of it, 90th "
                      "percentile token over the RMS)", k, against, rows, err)
             return k, captured(got, layer_ids)
@@ -374,7 +382,7 @@ def _compiled(model: Any, text: Any, ids: Any, lengths: list[int], depth: int, r
     except Exception as e:  # noqa: BLE001 - a layer torch cannot compile on this machine: the eager layers
         compile_layers(text.layers, on=False)
         log.warning("%s with its layers compiled: cannot run here (%s: %s); its layers run eager", k,
-                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                    type(e).__name__, first_line(e))
         return k, got, err
     c_err, layer, row = relative_error(states, ref)
     if not c_err <= bound:

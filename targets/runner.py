@@ -97,7 +97,7 @@ class TargetRunner:
                 raise
             log.warning("the compiled decoder layers failed on a batch of %d x %d tokens (%s: %s); they run eager "
                         "from here on (--compile-layers off starts that way)", *input_ids.shape, type(e).__name__,
-                        str(e).splitlines()[0][:200] if str(e) else "")
+                        kernels.first_line(e))
             kernels.compile_layers(self.text.layers, on=False)
             self.kernels = replace(self.kernels, compiled=False)
             return self._hidden(input_ids)

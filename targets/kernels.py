@@ -169,6 +169,13 @@ def compile_layers(layers: Any, on: bool = True) -> None:
     one H100 a Qwen3-30B-A3B-shaped forward ran 50,872 tok/s compiled against 31,380 (1.62x; bench/RESULTS.md,
     2026-12-05). torch's limit of compiled variants per function is raised so that a target whose layers differ
     (windows, sinks, captured or not) never falls back to eager after the eighth.
+
+    transformers' output-capturing hooks on a layer's parts (its attention's, its router's: output_attentions and
+    output_router_logits, which extract never asks for) read a ContextVar that torch cannot trace, so each split
+    the compiled layer, and the calls around them became frames of their own: a Qwen3-MoE layer compiled to 7
+    graphs. They are removed before compiling (the layer's own hook, which output_hidden_states and the self-check
+    read, stays), and the layer compiles to one graph: half the compiled forward's time on the CPU for a small
+    Qwen3-MoE stack (bench/RESULTS.md, 2026-12-06).
     """
     import torch
 
@@ -180,7 +187,26 @@ def compile_layers(layers: Any, on: bool = True) -> None:
     for layer in layers:
         layer._compiled_call_impl = None
         if on:
+            _drop_output_capture(layer)
             layer.compile(dynamic=True)
+
+
+# The module of transformers' output-capturing hooks (output_hidden_states, output_attentions, output_router_logits)
+OUTPUT_CAPTURE_MODULE = "transformers.utils.output_capturing"
+
+
+def _drop_output_capture(layer: Any) -> int:
+    """Remove transformers' output-capturing forward hooks from a decoder layer's submodules (not from the layer);
+    return how many."""
+    dropped = 0
+    for sub in layer.modules():
+        if sub is layer:
+            continue
+        hooks = sub._forward_hooks
+        for key in [k for k, h in hooks.items() if getattr(h, "__module__", None) == OUTPUT_CAPTURE_MODULE]:
+            del hooks[key]
+            dropped += 1
+    return dropped
 
 
 @contextlib.contextmanager

@@ -297,6 +297,40 @@ def test_dflash_experts_equal_transformers_grouped_gemms(arch, tiny_target):  # 
         assert float((a - b).abs().max() / b.abs().max()) < 1e-4
 
 
+@pytest.mark.internals  # transformers' output-capturing hooks and dynamo's graph breaks: every new release
+def test_a_compiled_layer_is_one_graph_and_the_check_still_reads_hidden_states(tiny_target):  # noqa: F811
+    """compile_layers drops transformers' output-capturing hooks from a layer's attention and router, which torch
+    cannot trace (each split the compiled layer: a Qwen3-MoE layer was 7 graphs), and keeps the layer's own, which
+    output_hidden_states (the self-check's reference) reads: a compiled forward breaks at most once a layer kind,
+    after the layer's work, and the model's hidden states are those of its eager layers."""
+    from torch._dynamo.utils import counters
+
+    from dflash.targets.adapter import text_model
+
+    model = _load(tiny_target("qwen3_moe"))
+    ids = torch.randint(0, 200, (2, 33), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = model(input_ids=ids, output_hidden_states=True).hidden_states  # installs transformers' hooks
+    layers = text_model(model, "tiny").layers
+    hooked = [m for m in layers[0].modules() if m is not layers[0] and m._forward_hooks]
+    assert hooked, "transformers installed no output-capturing hook on a layer's parts: this test checks nothing"
+    torch._dynamo.reset()
+    counters.clear()
+    kernels.compile_layers(layers)
+    try:
+        with torch.inference_mode():
+            got = model(input_ids=ids, output_hidden_states=True).hidden_states
+        breaks = dict(counters["graph_break"])
+        assert sum(breaks.values()) <= 1, breaks
+        assert all(not m._forward_hooks for layer in layers for m in layer.modules() if m is not layer)
+        assert all(layer._forward_hooks for layer in layers)  # the layer's own: output_hidden_states
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    finally:
+        kernels.compile_layers(layers, on=False)
+        torch._dynamo.reset()
+
+
 @pytest.mark.internals  # torch.compile's module compilation and dynamo's limits: run on every new torch release
 def test_compiled_layers_are_checked_like_a_kernel_and_give_eager_features(tiny_target, caplog):  # noqa: F811
     """--compile-layers: the decoder layers under torch.compile (inductor, dynamic shapes) pass the same self-check as a

@@ -45,6 +45,14 @@
 #           test) and of the compiled layers (-k compiled), then the Qwen3-30B-A3B shape's compiled command over 400K
 #           tokens (its logs back this time: the 0.718 of its forward over 100K), then the DeepSeek-V3 cut's
 #           compiled forward in the time left
+#   PART 20: issue 44, tenth session: the GPU tests of part 19, then the Qwen3-30B-A3B shape's compiled command over
+#           1M tokens (its compilation amortised as in a user's run; the layers one graph each since 638c25e) beside
+#           its compiled forward in the command's packing and in fewer, fuller forwards (floor 32,768), under
+#           torch.profiler (--trace: what is left outside the GEMMs)
+#   PART 21: the DeepSeek-V3 cut's compiled command (300K tokens) beside its forward at floors 0 and 32,768, then the
+#           gpt-oss-20b shape's command as auto runs it (flex attention, layers eager) over 1M tokens, past flex's
+#           per-shape warm-up
+#   PART 22: the dense Qwen3.6-27B shape (fla's kernels carried) with its layers compiled, beside its forward
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -204,7 +212,26 @@ case "${1:-1}" in
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fkc --case deepseek_v3_cut --only-chosen --tokens 150000 \
     --out "$OUT/fkc_dsv3.json" > "$OUT/fkc_dsv3.txt" 2>&1; echo "fk deepseek_v3_cut compiled exit $?" >> "$OUT/gpu.txt"
   ;;
+20)
+  timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider --show-capture=no --tb=short -W ignore -n 0 \
+    tests/test_storage_device_codec.py tests/test_kernels.py > "$OUT/gpu_tests.txt" 2>&1
+  echo "gpu tests exit $?" >> "$OUT/gpu.txt"
+  timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk20 --case qwen3_30b_a3b --only-chosen \
+    --tokens 1000000 --floors 0,32768 --trace > "$OUT/fk20_qwen3.txt" 2>&1; echo "fk qwen3_30b_a3b exit $?" >> "$OUT/gpu.txt"
+  ;;
+21)
+  timeout "$(left 250)" python3 bench/forward_kernels.py --work /tmp/fk21 --case deepseek_v3_cut --only-chosen \
+    --tokens 300000 --floors 0,32768 > "$OUT/fk21_dsv3.txt" 2>&1; echo "fk deepseek_v3_cut exit $?" >> "$OUT/gpu.txt"
+  START=$SECONDS
+  timeout "$(left 320)" python3 bench/forward_kernels.py --work /tmp/fk21 --case gpt_oss_20b --only-chosen \
+    --compile-layers auto --tokens 1000000 > "$OUT/fk21_gptoss.txt" 2>&1; echo "fk gpt_oss_20b exit $?" >> "$OUT/gpu.txt"
+  ;;
+22)
+  timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk22 --case qwen36_27b --only-chosen --tokens 200000 \
+    > "$OUT/fk22_qwen36.txt" 2>&1; echo "fk qwen36_27b exit $?" >> "$OUT/gpu.txt"
+  ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
+for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
+           -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

@@ -49,7 +49,7 @@
 #           1M tokens (its compilation amortised as in a user's run; the layers one graph each since 638c25e) beside
 #           its compiled forward in the command's packing and in fewer, fuller forwards (floor 32,768), under
 #           torch.profiler (--trace: what is left outside the GEMMs)
-#   PART 21: the DeepSeek-V3 cut's compiled command (300K tokens) beside its forward at floors 0 and 32,768, then the
+#   PART 21: bench/compile_breaks.py on 8 layers of the Qwen3-30B-A3B shape, then the DeepSeek-V3 cut's compiled command (300K tokens) beside its forward at floors 0 and 32,768, then the
 #           gpt-oss-20b shape's command as auto runs it (flex attention, layers eager) over 1M tokens, past flex's
 #           per-shape warm-up
 #   PART 22: the dense Qwen3.6-27B shape (fla's kernels carried) with its layers compiled, beside its forward
@@ -220,10 +220,13 @@ case "${1:-1}" in
     --tokens 1000000 --floors 0,32768 --trace > "$OUT/fk20_qwen3.txt" 2>&1; echo "fk qwen3_30b_a3b exit $?" >> "$OUT/gpu.txt"
   ;;
 21)
-  timeout "$(left 250)" python3 bench/forward_kernels.py --work /tmp/fk21 --case deepseek_v3_cut --only-chosen \
+  timeout 60 python3 bench/compile_breaks.py --device cuda --hidden 2048 --layers 8 --experts 128 --top-k 8 \
+    --moe-width 768 --rows 3 --length 4096 > "$OUT/compile_breaks.txt" 2>&1; echo "compile_breaks exit $?" >> "$OUT/gpu.txt"
+  START=$SECONDS
+  timeout "$(left 200)" python3 bench/forward_kernels.py --work /tmp/fk21 --case deepseek_v3_cut --only-chosen \
     --tokens 300000 --floors 0,32768 > "$OUT/fk21_dsv3.txt" 2>&1; echo "fk deepseek_v3_cut exit $?" >> "$OUT/gpu.txt"
   START=$SECONDS
-  timeout "$(left 320)" python3 bench/forward_kernels.py --work /tmp/fk21 --case gpt_oss_20b --only-chosen \
+  timeout "$(left 300)" python3 bench/forward_kernels.py --work /tmp/fk21 --case gpt_oss_20b --only-chosen \
     --compile-layers auto --tokens 1000000 > "$OUT/fk21_gptoss.txt" 2>&1; echo "fk gpt_oss_20b exit $?" >> "$OUT/gpu.txt"
   ;;
 22)

@@ -278,6 +278,13 @@ def test_dflash_experts_equal_transformers_grouped_gemms(arch, tiny_target):  # 
             assert got.shape == want.shape and got.dtype == want.dtype
             err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
             assert err < tol, (arch, dtype, weights.dtype, err)
+            # inside a compiled layer the scatter and the batched matmul are one fused gather and float32 sum
+            compiled = torch.compile(lambda *a: experts.forward(module, *a), dynamic=True)
+            with torch.no_grad():
+                fused = compiled(x, index, weights)
+            assert fused.shape == want.shape and fused.dtype == want.dtype
+            err = float((fused.float() - want.float()).abs().max() / want.float().abs().max())
+            assert err < tol, ("compiled", arch, dtype, weights.dtype, err)
         # a wrong routing weight is far outside it
         with torch.no_grad():
             off = experts.forward(module, x, index, weights.flip(-1))

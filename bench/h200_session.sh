@@ -53,6 +53,10 @@
 #           gpt-oss-20b shape's command as auto runs it (flex attention, layers eager) over 1M tokens, past flex's
 #           per-shape warm-up
 #   PART 22: the dense Qwen3.6-27B shape (fla's kernels carried) with its layers compiled, beside its forward
+#   PART 23: what the tenth session's device time did not reach: the compiled layers' deepseek_v3 GPU test, then the
+#           Qwen3-30B-A3B shape's compiled command over 1M tokens again (dflash_grouped_mm's fused weighted sum inside
+#           compiled layers, 9f91ea4: against part 20's 49,328 / 54,279 tok/s on an H100; run it on an H100) and its
+#           forward under torch.profiler, then the DeepSeek-V3 cut in the time left
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -233,8 +237,17 @@ case "${1:-1}" in
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk22 --case qwen36_27b --only-chosen --tokens 200000 \
     > "$OUT/fk22_qwen36.txt" 2>&1; echo "fk qwen36_27b exit $?" >> "$OUT/gpu.txt"
   ;;
+23)
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --show-capture=no --tb=short -W ignore -n 0 \
+    tests/test_kernels.py -k "compiled and deepseek" > "$OUT/gpu_tests.txt" 2>&1
+  echo "gpu tests exit $?" >> "$OUT/gpu.txt"
+  timeout "$(left 300)" python3 bench/forward_kernels.py --work /tmp/fk23 --case qwen3_30b_a3b --only-chosen \
+    --tokens 1000000 --trace > "$OUT/fk23_qwen3.txt" 2>&1; echo "fk qwen3_30b_a3b exit $?" >> "$OUT/gpu.txt"
+  timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk23 --case deepseek_v3_cut --only-chosen \
+    --tokens 300000 > "$OUT/fk23_dsv3.txt" 2>&1; echo "fk deepseek_v3_cut exit $?" >> "$OUT/gpu.txt"
+  ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
+for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
            -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

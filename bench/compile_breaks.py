@@ -20,10 +20,11 @@ def build(args: argparse.Namespace, device: str):  # noqa: ANN201 - a transforme
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
+    head_dim = 32 if args.hidden < 1024 else 128
     cfg = Qwen3MoeConfig(vocab_size=1000, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                          moe_intermediate_size=args.moe_width or args.hidden // 2, num_hidden_layers=args.layers,
-                         num_attention_heads=max(1, args.hidden // 64), num_key_value_heads=2, head_dim=32 if
-                         args.hidden < 1024 else 128, num_experts=args.experts, num_experts_per_tok=args.top_k,
+                         num_attention_heads=max(1, args.hidden // 64), num_key_value_heads=2, head_dim=head_dim,
+                         num_experts=args.experts, num_experts_per_tok=args.top_k,
                          max_position_embeddings=max(4096, args.length))
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

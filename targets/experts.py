@@ -9,9 +9,9 @@ by expert once, run through the same grouped GEMMs (transformers' `_grouped_mm`,
 written back to token order by one scatter, and the routing weights and the sum over the top-k are one batched
 matmul in the rows' dtype (its products accumulate in float32; a float32 router's weights, DeepSeek-V3's, are rounded
 to bf16 once, 2**-9 relative, the rounding the sum's result gets there anyway); inside a compiled layer
-(--compile-layers) the scatter and the matmul are one gather and a float32 sum that inductor fuses into one pass. Under autograd, with experts split
-over ranks (transformers 5.25's flag; dflash never splits them: FSDP2 gathers every expert's weights), or with a norm
-after each expert, transformers' own forward runs instead.
+(--compile-layers) the scatter and the matmul are one gather and a float32 sum that inductor fuses into one pass.
+Under autograd, with experts split over ranks (transformers 5.25's flag; dflash never splits them: FSDP2 gathers every
+expert's weights), or with a norm after each expert, transformers' own forward runs instead.
 
 On CUDA it is the first experts implementation extract tries (targets/kernels.experts_order), kept, as every
 candidate, only where the start-up self-check finds it equal to the eager float32 forward: on one H100 with

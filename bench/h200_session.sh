@@ -57,6 +57,13 @@
 #           Qwen3-30B-A3B shape's compiled command over 1M tokens again (dflash_grouped_mm's fused weighted sum inside
 #           compiled layers, 9f91ea4: against part 20's 49,328 / 54,279 tok/s on an H100; run it on an H100) and its
 #           forward under torch.profiler, then the DeepSeek-V3 cut in the time left
+#   PART 24: issue 44, eleventh session: the Qwen3-30B-A3B shape's compiled command over 1M tokens (the fused weighted
+#           sum, 9f91ea4) beside its forward and the forward with the command's features and encoding on the device
+#           (--features: the 0.909 split into device work and the rest), then the command again with 6 writer threads
+#           and with the allocator's expandable segments (--variants: what the rest is)
+#   PART 25: the gpt-oss-20b shape's command as auto runs it over 1M tokens with torch's recompiles logged, then again
+#           with every first compile dynamic (BENCH_DYNAMIC_FIRST: flex's compiles for new batch shapes, 37 s)
+#   PART 26: the compiled layers' deepseek_v3 GPU test, then the dense Qwen3.6-27B shape with its layers compiled
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -245,8 +252,21 @@ case "${1:-1}" in
   fk fk23_qwen3 "$(left 300)" qwen3_30b_a3b --work /tmp/fk23 --tokens 1000000 --trace
   fk fk23_dsv3 "$(left)" deepseek_v3_cut --work /tmp/fk23 --tokens 300000
   ;;
+24)
+  fk fk24_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk24 --tokens 1000000 --features --trace \
+    --variants "--writer-threads 6;PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+  ;;
+25)
+  export TORCH_LOGS=recompiles  # the variant compiles into empty caches, as the first run did on a fresh machine
+  fk fk25_gptoss "$(left)" gpt_oss_20b --work /tmp/fk25 --compile-layers auto --tokens 1000000 --features \
+    --variants "BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/ind TRITON_CACHE_DIR=/tmp/fk25/triton"
+  ;;
+26)
+  gpu_tests 150 tests/test_kernels.py -k "compiled and deepseek"
+  fk fk26_qwen36 "$(left)" qwen36_27b --work /tmp/fk26 --tokens 200000 --features
+  ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
+for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
            -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

@@ -124,6 +124,10 @@ def child(argv: list[str]) -> None:
     skip_weight_check()
     if os.environ.get("BENCH_SWITCH_INTERVAL"):  # a --variants probe: the interpreter's GIL hand-over interval
         sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
+    if os.environ.get("BENCH_DYNAMIC_FIRST") == "1":  # a --variants probe: torch.compile's first graph of a function
+        # takes every size as symbolic (transformers' compiled flex attention and block masks compile once for all
+        # batch shapes, not once static and again dynamic at the next shape)
+        torch._dynamo.config.assume_static_by_default = False
     main(argv)
 
 
@@ -181,23 +185,42 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     out["steady_over_best_forward"] = round(cmd["steady_tok_s"] / fwd["best_tok_s"], 3)
     if cmd["timeline"] is not None:
         print(bx.timeline_totals(cmd["timeline"]), flush=True)
-    for variant in filter(None, (args.variants or "").split(";")):
-        # The command again with other settings (extra flags; SWITCH=s: the GIL hand-over interval in seconds), to
-        # find where its time goes beside the same forward.
+    if args.variants:
+        out["variants"] = run_variants(folder, data, work, gpus, args.variants, fwd["tok_s"])
+    return out
+
+
+def run_variants(folder: Path, data: Path, work: Path, gpus: str, variants: str, forward_tok_s: float,
+                 flags: list[str] | None = None) -> list[dict]:
+    """Run the command again once per ';'-separated variant, to find where its time goes beside the same forward:
+    each variant's words are extra extract flags, or NAME=VALUE set in the command's environment (SWITCH=s: the
+    interpreter's GIL hand-over interval in seconds; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching
+    allocator's mode). Return each run's figures (printed as it ends), its steady tok/s over forward_tok_s."""
+    out = []
+    for variant in filter(None, variants.split(";")):
         words = variant.split()
-        switch = [w.split("=", 1)[1] for w in words if w.startswith("SWITCH=")]
-        flags = [w for w in words if not w.startswith("SWITCH=")]
-        os.environ.pop("BENCH_SWITCH_INTERVAL", None)
-        if switch:
-            os.environ["BENCH_SWITCH_INTERVAL"] = switch[0]
-        again, compiled = extract_run(folder, data, work, gpus, flags, f"-variant{len(out.get('variants', [])) + 1}")
-        out.setdefault("variants", []).append(
-            {"variant": variant, "steady_tok_s": again["steady_tok_s"], "wall_s": round(again["wall_s"], 1),
-             "steady_over_forward": round(again["steady_tok_s"] / fwd["tok_s"], 3),
-             "triton_kernels_compiled": compiled["triton_kernels_compiled"],
-             "autotunings": compiled["autotunings"], "autotune_s": compiled["autotune_s"]})
-        print(json.dumps(out["variants"][-1]), flush=True)
-    os.environ.pop("BENCH_SWITCH_INTERVAL", None)
+        env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=.*", w))
+        if "SWITCH" in env:
+            env["BENCH_SWITCH_INTERVAL"] = env.pop("SWITCH")
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            again, compiled = extract_run(folder, data, work, gpus,
+                                          [*(flags or []), *(w for w in words if not re.fullmatch(r"[A-Z_]+=.*", w))],
+                                          f"-variant{len(out) + 1}")
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        out.append({"variant": variant, "steady_tok_s": again["steady_tok_s"], "wall_s": round(again["wall_s"], 1),
+                    "steady_over_forward": round(again["steady_tok_s"] / forward_tok_s, 3),
+                    "triton_kernels_compiled": compiled["triton_kernels_compiled"],
+                    "autotunings": compiled["autotunings"], "autotune_s": compiled["autotune_s"]})
+        print(json.dumps(out[-1]), flush=True)
+        if again["timeline"] is not None:
+            print(bx.timeline_totals(again["timeline"]), flush=True)
     return out
 
 
@@ -225,8 +248,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (check the script first)")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     ap.add_argument("--variants", default=None, help="';'-separated reruns of the command after the forward: extra "
-                    "extract flags and SWITCH=seconds (sys.setswitchinterval in the command), e.g. "
-                    "'--writer-threads 1;SWITCH=0.0002'")
+                    "extract flags and NAME=VALUE in its environment (run_variants), e.g. "
+                    "'--writer-threads 1;SWITCH=0.0002;PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True'")
     ap.add_argument("--tuning-log", action="store_true", help="TRITON_PRINT_AUTOTUNING=1 in the command: count "
                     "the autotunings of each run and the keys that set them off")
     args = ap.parse_args()

@@ -20,7 +20,7 @@ from ..storage import device_codec
 from ..targets.runner import TargetRunner, pad_batch
 from .plan import pack_batches
 
-__all__ = ["Sample", "Sink", "PipelineStats", "HostBuffers", "FeaturePipeline"]
+__all__ = ["Sample", "Sink", "PipelineStats", "HostBuffers", "FeaturePipeline", "encode_features"]
 
 NUM_BUFFERS = 3  # pinned host buffers a pipeline copies features into (one being filled, one written, one spare)
 # A test hook: a forward of more padded tokens than this raises torch.OutOfMemoryError, as a device that holds only
@@ -150,6 +150,20 @@ class HostBuffers:
             raise self._error
         buffers, scales, self._buffers, self._scales = self._buffers, self._scales, [], []
         return buffers, scales
+
+
+def encode_features(feats: torch.Tensor, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (a scaled codec's codes [T, L, H], float32 scales [T, L]) of a forward's features, encoded on their
+    device a slice of rows at a time (each (token, layer) row is encoded alone: slices change no byte)."""
+    T, L, H = feats.shape
+    rows = max(1, ENCODE_ELEMENTS // max(1, L * H))
+    if T <= rows:
+        return device_codec.encode_on_device(feats, codec)
+    codes = torch.empty((T, L, H), dtype=device_codec.stored_torch_dtype(codec), device=feats.device)
+    scales = torch.empty((T, L), dtype=torch.float32, device=feats.device)
+    for i in range(0, T, rows):
+        codes[i : i + rows], scales[i : i + rows] = device_codec.encode_on_device(feats[i : i + rows], codec)
+    return codes, scales
 
 
 class FeaturePipeline:
@@ -316,7 +330,7 @@ class FeaturePipeline:
                     feats = self.runner.features(ids.to(self.device, non_blocking=True), lens)
                     scales = None
                     if self.codec is not None:  # inside the forward's events and its out-of-memory retry
-                        feats, scales = self._encode(feats)
+                        feats, scales = encode_features(feats, self.codec)
                     end = self._event()
             except Exception as e:
                 if not is_out_of_memory(e):
@@ -325,19 +339,6 @@ class FeaturePipeline:
                 pending[:0] = [part[: len(part) // 2], part[len(part) // 2:]]
                 continue
             yield part, ids, lens, feats, scales, start, end
-
-    def _encode(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (the codec's codes [T, L, H], float32 scales [T, L]) of a forward's features, encoded on their
-        device a slice of rows at a time (each (token, layer) row is encoded alone: slices change no byte)."""
-        T, L, H = feats.shape
-        rows = max(1, ENCODE_ELEMENTS // max(1, L * H))
-        if T <= rows:
-            return device_codec.encode_on_device(feats, self.codec)
-        codes = torch.empty((T, L, H), dtype=device_codec.stored_torch_dtype(self.codec), device=feats.device)
-        scales = torch.empty((T, L), dtype=torch.float32, device=feats.device)
-        for i in range(0, T, rows):
-            codes[i : i + rows], scales[i : i + rows] = device_codec.encode_on_device(feats[i : i + rows], self.codec)
-        return codes, scales
 
     def _out_of_memory(self, part: list[Sample], ids: torch.Tensor, error: BaseException) -> None:
         """Note a forward that ran out of memory: smaller forwards from now on, or a ResourceError for one row."""

@@ -62,7 +62,8 @@
 #           (--features: the 0.909 split into device work and the rest), then the command again with 6 writer threads
 #           and with the allocator's expandable segments (--variants: what the rest is)
 #   PART 25: the gpt-oss-20b shape's command as auto runs it over 1M tokens with torch's recompiles logged, then again
-#           with every first compile dynamic (BENCH_DYNAMIC_FIRST: flex's compiles for new batch shapes, 37 s)
+#           with every first compile dynamic (BENCH_DYNAMIC_FIRST: flex's compiles for new batch shapes, 37 s), and so
+#           with its layers compiled around flex
 #   PART 26: the compiled layers' deepseek_v3 GPU test, then the dense Qwen3.6-27B shape with its layers compiled
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
@@ -258,8 +259,9 @@ case "${1:-1}" in
   ;;
 25)
   export TORCH_LOGS=recompiles  # the variant compiles into empty caches, as the first run did on a fresh machine
-  fk fk25_gptoss "$(left)" gpt_oss_20b --work /tmp/fk25 --compile-layers auto --tokens 1000000 --features \
-    --variants "BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/ind TRITON_CACHE_DIR=/tmp/fk25/triton"
+  fk fk25_gptoss "$(left)" gpt_oss_20b --work /tmp/fk25 --compile-layers auto --tokens 1000000 --variants \
+    "BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i1 TRITON_CACHE_DIR=/tmp/fk25/t1;--compile-layers on \
+BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp/fk25/t2"
   ;;
 26)
   gpu_tests 150 tests/test_kernels.py -k "compiled and deepseek"

@@ -48,8 +48,8 @@ def encode_on_device(features: "torch.Tensor", codec: str) -> tuple["torch.Tenso
     float dtype; rounded to bf16 first, as the store does) on their own device: codec.encode_scaled's bits."""
     import torch
 
-    x = features.to(torch.bfloat16).to(torch.float32)
     if codec == "fp8":
+        x = features.to(torch.bfloat16).to(torch.float32)
         amax = x.abs().amax(dim=-1)
         amax = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax))
         scale = _div(amax, FP8_MAX)
@@ -60,25 +60,29 @@ def encode_on_device(features: "torch.Tensor", codec: str) -> tuple["torch.Tenso
         q = q.to(torch.float8_e4m3fn).view(torch.uint8)
         nan_code = torch.where(torch.signbit(x), torch.full_like(q, 0xFF), torch.full_like(q, 0x7F))
         return torch.where(nan, nan_code, q), scale
+    # The uq codecs in as few passes over the features as exactness allows (on a GPU they are memory-bound: each
+    # pass over a forward's features is a share of the forward): the reductions read the bf16 features (their
+    # maximum and order are the float32 copies'), the product upcasts them as it reads them, and the zigzag runs in
+    # int16, whose shifts and exclusive-or give the int32 zigzag's low 16 bits.
+    x = features.to(torch.bfloat16)
     divisor = QUANT_DIVISORS[codec]
     H = x.shape[-1]
     stride = max(1, H // 256)
     middle = (len(range(0, H, stride)) - 1) // 2
-    amax = torch.maximum(x.amax(dim=-1), -x.amin(dim=-1))
+    amax = torch.maximum(x.amax(dim=-1), -x.amin(dim=-1)).float()
     if x.shape[0] == 0:
         median = amax
     else:
-        median = torch.kthvalue(x[..., ::stride].abs(), middle + 1, dim=-1).values
+        median = torch.kthvalue(x[..., ::stride].float().abs(), middle + 1, dim=-1).values
     step = torch.maximum(_div(median, divisor), _div(amax, ZIGZAG_MAX))
     step = torch.where(step > 0, step.clamp(min=_F32_TINY), torch.ones_like(step))
     finite = torch.isfinite(amax)
     step = torch.where(finite, step, torch.full_like(step, float("nan")))
     inv = torch.where(finite, torch.ones_like(step) / step, torch.zeros_like(step))
-    x = torch.where(finite[..., None], x, torch.zeros_like(x))
-    q = (x * inv[..., None]).round_().clamp_(-ZIGZAG_MAX, ZIGZAG_MAX).to(torch.int32)
-    z = (q << 1) ^ (q >> 31)  # zigzag: 0..65535
-    z = torch.where(z > 32767, z - 65536, z).to(torch.int16)
-    return z, step
+    # A row with a NaN or an infinity has inv 0: its finite values become (signed) zeros and the others NaN, coded 0
+    # as numpy's codec codes the whole row.
+    q = (x * inv[..., None]).nan_to_num_(nan=0.0).round_().clamp_(-ZIGZAG_MAX, ZIGZAG_MAX).to(torch.int16)
+    return (q << 1) ^ (q >> 15), step  # zigzag: 0..65535 as int16 bits
 
 
 def decode_on_device(stored: "torch.Tensor", scales: "torch.Tensor", codec: str) -> "torch.Tensor":

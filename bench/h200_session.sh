@@ -65,6 +65,10 @@
 #           with every first compile dynamic (BENCH_DYNAMIC_FIRST: flex's compiles for new batch shapes, 37 s), and so
 #           with its layers compiled around flex
 #   PART 26: the compiled layers' deepseek_v3 GPU test, then the dense Qwen3.6-27B shape with its layers compiled
+#   PART 27: the next call for issue 44: the device codec's GPU test (the uq encoding in half the passes, c02a82f, bit
+#           for bit on CUDA?), then the Qwen3-30B-A3B shape's compiled command over 1M tokens with --features (its
+#           encoding's share after c02a82f: 3.8% of the forward before) beside the weighted sum unrolled
+#           (--also ...,dflash_grouped_mm_unrolled,compile: one pointwise kernel in place of the 4.4x-slow reduction)
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -267,8 +271,13 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   gpu_tests 150 tests/test_kernels.py -k "compiled and deepseek"
   fk fk26_qwen36 "$(left)" qwen36_27b --work /tmp/fk26 --tokens 200000 --features
   ;;
+27)
+  gpu_tests 90 tests/test_storage_device_codec.py
+  fk fk27_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk27 --tokens 1000000 --features --trace \
+    --also "sdpa,dflash_grouped_mm_unrolled,compile"
+  ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
+for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
            -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

@@ -86,8 +86,9 @@ def _summed_compiled(out: Any, order: Any, weights: Any, tokens: int, k: int, hi
     """Return the routing-weighted sum [T, H] of each token's k expert rows, `out` in expert order, as a compiled
     layer runs it: each token's rows gathered by the inverse permutation and summed in float32, which inductor
     fuses into one pass over the rows. The eager path's scatter to token order and batched matmul were two passes
-    (the matmul's tiles suit a sum over 8 rows badly): 30 ms of a 225 ms compiled Qwen3-30B-A3B-shaped forward of
-    3 x 3,992 tokens on one H100 (bench/RESULTS.md, 2026-12-06)."""
+    (the matmul's tiles suit a sum over 8 rows badly): 30.1 ms of a 225 ms compiled Qwen3-30B-A3B-shaped forward of
+    3 x 3,992 tokens on one H100; fused, 26.9 ms of 219, still 4.4x its bytes' time at the memory's speed
+    (bench/RESULTS.md, 2026-12-06: bench/forward_kernels.py times an unrolled form beside it)."""
     import torch
 
     inverse = torch.empty_like(order)

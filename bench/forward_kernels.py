@@ -103,40 +103,6 @@ def trace_forward(runner: Any, ids: torch.Tensor, device: torch.device, label: s
           + table.table(sort_by=key, row_limit=25), flush=True)
 
 
-UNROLLED = "dflash_grouped_mm_unrolled"  # bench-only experts: targets/experts.py with its compiled sum unrolled
-
-
-def _summed_unrolled(out: Any, order: Any, weights: Any, tokens: int, k: int, hidden: int) -> Any:
-    """targets/experts.py's _summed_compiled written as k products and adds of gathered rows, no reduction: inductor
-    makes it one pointwise kernel whose loads run along the hidden size, where the reduction over k (12% of a
-    compiled Qwen3-30B-A3B-shaped forward on one H100, 4.4x its bytes' time at the memory's speed) may lay its
-    threads across the k rows. Equal to it up to the order of the float32 sum."""
-    inverse = torch.empty_like(order)
-    inverse.index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-    inverse = inverse.view(tokens, k)
-    w = weights.float().view(tokens, k)
-    acc = out.index_select(0, inverse[:, 0]).float() * w[:, :1]
-    for j in range(1, k):
-        acc = acc + out.index_select(0, inverse[:, j]).float() * w[:, j : j + 1]
-    return acc
-
-
-def register_unrolled() -> None:
-    """Register UNROLLED with transformers' experts interface for --also (this bench's process only): experts.forward's
-    own code with _summed_unrolled in place of _summed_compiled."""
-    import types
-
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
-
-    from dflash.targets import experts
-
-    if UNROLLED not in ALL_EXPERTS_FUNCTIONS:
-        fn = experts.forward
-        scope = {**fn.__globals__, "_summed_compiled": _summed_unrolled}
-        ExpertsInterface.register(UNROLLED, types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
-                                                               fn.__closure__))
-
-
 def features_pass(runner: Any, batches: list, device: torch.device, codec: str | None) -> int:
     """Return the tok/s of a warm pass over the batches as extract's forward loop runs each on the device: the
     forward, the real tokens' features gathered (TargetRunner.features) and, under a scaled codec on CUDA, encoded
@@ -191,8 +157,6 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
     out = []
     experts.register()
     extra = [parse_also(a) for a in also]
-    if any(k.experts == UNROLLED for k, _ in extra):
-        register_unrolled()
     compiled_only = bool(only and only.endswith(", layers compiled"))  # the command compiled its layers
     only = only.removesuffix(", layers compiled") if only else only
     tried = [(k, compiled_only if only else False) for k in kernels.candidates(model, runner.kinds, device)
@@ -311,8 +275,7 @@ def main() -> None:
                     help="semicolon-separated attention,experts pairs to time after the command's candidates (with "
                          "--only-chosen, after its choice), e.g. sdpa,dflash_grouped_mm (targets/experts.py); a third "
                          "field ',compile' runs every decoder layer under torch.compile (dynamic shapes); a dense "
-                         "target's experts field is empty (sdpa,,compile); experts dflash_grouped_mm_unrolled is this "
-                         "bench's own (_summed_unrolled). Never the best forward the command is held to: extract does "
+                         "target's experts field is empty (sdpa,,compile). Never the best forward the command is held to: extract does "
                          "not run them")
     ap.add_argument("--compile-layers", dest="compile", default="on", choices=("auto", "on", "off"),
                     help="the command's --compile-layers (default on: what auto does on a run of 10M tokens or "

@@ -9,7 +9,7 @@ by expert once, run through the same grouped GEMMs (transformers' `_grouped_mm`,
 written back to token order by one scatter, and the routing weights and the sum over the top-k are one batched
 matmul in the rows' dtype (its products accumulate in float32; a float32 router's weights, DeepSeek-V3's, are rounded
 to bf16 once, 2**-9 relative, the rounding the sum's result gets there anyway); inside a compiled layer
-(--compile-layers) the scatter and the matmul are one gather and a float32 sum that inductor fuses into one pass.
+(--compile-layers) the scatter and the matmul are k gathered rows weighted and summed in float32, one pointwise pass.
 Under autograd, with experts split over ranks (transformers 5.25's flag; dflash never splits them: FSDP2 gathers every
 expert's weights), or with a norm after each expert, transformers' own forward runs instead.
 
@@ -84,14 +84,21 @@ def forward(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any)
 
 def _summed_compiled(out: Any, order: Any, weights: Any, tokens: int, k: int, hidden: int) -> Any:
     """Return the routing-weighted sum [T, H] of each token's k expert rows, `out` in expert order, as a compiled
-    layer runs it: each token's rows gathered by the inverse permutation and summed in float32, which inductor
-    fuses into one pass over the rows. The eager path's scatter to token order and batched matmul were two passes
-    (the matmul's tiles suit a sum over 8 rows badly): 30.1 ms of a 225 ms compiled Qwen3-30B-A3B-shaped forward of
-    3 x 3,992 tokens on one H100; fused, 26.9 ms of 219, still 4.4x its bytes' time at the memory's speed
-    (bench/RESULTS.md, 2026-12-06: bench/forward_kernels.py times an unrolled form beside it)."""
+    layer runs it: k products and adds of rows gathered by the inverse permutation, in float32, which inductor makes
+    one pointwise kernel whose loads run along the hidden size. Written as a sum over k, inductor made it a
+    reduction that laid its threads across the k rows: 585 us a layer, 4.4x its bytes' time at the memory's speed;
+    unrolled, 215 us, and a compiled Qwen3-30B-A3B-shaped forward ran 1.12x (54,562 -> 60,864 tok/s, MFU 33.3% ->
+    37.2%, one H100, bench/RESULTS.md, 2026-12-06). `dflash extract` with it did not move (50,570 against 51,111
+    tok/s): its layers were first called on the self-check's 2 rows of 96 tokens, which kernels.warm_forward now
+    replaces by a batch of the run's size (not yet measured on a GPU). The eager path's scatter to token order and
+    batched matmul are two passes (the matmul's tiles suit a sum over 8 rows badly)."""
     import torch
 
     inverse = torch.empty_like(order)
     inverse.index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-    rows = out.index_select(0, inverse).view(tokens, k, hidden).float()
-    return (rows * weights.float().view(tokens, k, 1)).sum(1)
+    inverse = inverse.view(tokens, k)
+    w = weights.float().view(tokens, k)
+    summed = out.index_select(0, inverse[:, 0]).float() * w[:, :1]
+    for j in range(1, k):
+        summed = summed + out.index_select(0, inverse[:, j]).float() * w[:, j : j + 1]
+    return summed

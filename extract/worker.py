@@ -162,12 +162,15 @@ def compile_layers(cfg: "ExtractConfig", device: Any, tokens_left: int) -> str:
 def feature_runner(cfg: "ExtractConfig", header: dict[str, Any], model: Any, tokens_left: int = 0) -> Any:
     """Return the truncated runner of a loaded target, checked against the full model (InputError when it differs)
     on rows as long as the longest sample extraction runs, or longer than every attention window; its decoder layers
-    compiled as --compile-layers says for a run of tokens_left tokens."""
+    compiled as --compile-layers says for a run of tokens_left tokens, on CUDA first called on a batch of the run's
+    size (kernels.warm_forward: Triton tunes each kernel at its first launch; the CPU's kernels are not tuned, and
+    a long row's attention there costs seconds)."""
     from ..targets.runner import TargetRunner
 
     device = next(model.parameters()).device
+    warm = (cfg.batch_tokens or 0) if device.type == "cuda" else 0
     return TargetRunner(model, header["layer_ids"], check_length=cfg.max_length,
-                        compile_layers=compile_layers(cfg, device, tokens_left))
+                        compile_layers=compile_layers(cfg, device, tokens_left), warm_tokens=warm)
 
 
 def sharded_runner(cfg: "ExtractConfig", header: dict[str, Any], device: Any) -> Any:

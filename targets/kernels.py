@@ -321,13 +321,14 @@ def relative_error(got: list[Any], want: list[Any]) -> tuple[float, int, int]:
 
 
 def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[int], kinds: list[str],
-           dtype: str, compile: str = "off") -> tuple[Kernels, list[Any]]:
+           dtype: str, compile: str = "off", warm: tuple[int, int] | None = None) -> tuple[Kernels, list[Any]]:
     """Return the first candidate kernels whose forward equals the eager float32 forward within the dtype's
     rounding (the model is left running them), and that forward's captured states on the rows (what the
     truncated runner is then checked against). Logs the choice, and every candidate it passed over and why.
     compile: "on", then the same with every decoder layer compiled (compile_layers), held to the same bound; where
     it fails to compile or differs more, the layers run eager again and a warning says why; "auto", the same unless
-    the attention chosen is flex (compiled layers around flex are not measured faster yet); "off", never."""
+    the attention chosen is flex (compiled layers around flex are not measured faster yet); "off", never. warm: the
+    (rows, length) of a batch of the run's size, the compiled layers' first call (warm_forward)."""
     depth = max(layer_ids) + 1
     rows = f"{len(lengths)} rows of up to {max(lengths)} tokens"
     options = candidates(model, kinds, ids.device)
@@ -376,7 +377,7 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
                          "compiled layers are not measured faster yet); --compile-layers on compiles them")
             elif compile in ("on", "auto"):
                 k, got, err = _compiled(model, text, ids, lengths, depth, ref, k, got, err, allowed(k), against,
-                                        dtype)
+                                        dtype, warm)
             log.info("kernels: %s (checked against %s on %s: each layer's update within %.2g of it, 90th "
                      "percentile token over the RMS)", k, against, rows, err)
             return k, captured(got, layer_ids)
@@ -387,9 +388,11 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
 
 
 def _compiled(model: Any, text: Any, ids: Any, lengths: list[int], depth: int, ref: list[Any], k: Kernels,
-              got: list[Any], err: float, bound: float, against: str, dtype: str) -> tuple[Kernels, list[Any], float]:
+              got: list[Any], err: float, bound: float, against: str, dtype: str,
+              warm: tuple[int, int] | None = None) -> tuple[Kernels, list[Any], float]:
     """Return (kernels, states, error) with the decoder layers compiled where that forward is within bound of the
-    reference, else the eager layers' (k, got, err) with a warning that says why."""
+    reference, else the eager layers' (k, got, err) with a warning that says why. warm: the compiled layers' first
+    call is a batch of that (rows, length), warm_forward."""
     import time
 
     from dataclasses import replace
@@ -401,6 +404,8 @@ def _compiled(model: Any, text: Any, ids: Any, lengths: list[int], depth: int, r
         compile_layers(text.layers)
         # in the grad mode the runner's forwards run in (inference mode), so that they reuse what compiles here
         with torch.inference_mode():
+            if warm is not None:
+                warm_forward(text, warm)
             states = model_states(model, ids, depth, lengths)
     except Exception as e:  # noqa: BLE001 - a layer torch cannot compile on this machine: the eager layers
         compile_layers(text.layers, on=False)
@@ -414,6 +419,21 @@ def _compiled(model: Any, text: Any, ids: Any, lengths: list[int], depth: int, r
                     "token over the RMS; %s rounding allows %.2g): its layers run eager", k, against, c_err, layer,
                     row, dtype, bound)
         return k, got, err
-    log.info("decoder layers compiled in %.1f s (torch.compile, dynamic shapes; each new kind of batch may compile "
-             "once more on the first batches)", time.perf_counter() - t0)
+    log.info("decoder layers compiled in %.1f s (torch.compile, dynamic shapes%s; each new kind of batch may compile "
+             "once more on the first batches)", time.perf_counter() - t0,
+             f", first on {warm[0]} x {warm[1]} tokens" if warm else "")
     return replace(k, compiled=True), states, c_err
+
+
+def warm_forward(text: Any, shape: tuple[int, int]) -> None:
+    """Run the text model on random token ids of shape (rows, length), the compiled layers' first call where the run
+    gives it a batch of its own size: torch.compile with dynamic shapes still takes its sizes as inductor's hints
+    (each kernel's size class and candidate configurations), and Triton tunes each kernel at its first launch, so a
+    first call on the self-check's 2 rows of ~96 tokens would leave every layer's kernels chosen for a batch a
+    hundred times smaller than the run's."""
+    import torch
+
+    emb = text.embed_tokens.weight
+    ids = torch.randint(0, emb.shape[0], shape, device=emb.device)
+    with attention_backends(emb.device):
+        text(input_ids=ids, use_cache=False)

@@ -36,7 +36,7 @@ class TargetRunner:
 
     def __init__(self, model: Any, layer_ids: list[int], *, check: bool = True, check_length: int = 4096,
                  cudnn_attention: bool = False, choose_kernels: bool = True,
-                 compile_layers: bool | str = False) -> None:
+                 compile_layers: bool | str = False, warm_tokens: int = 0) -> None:
         where = getattr(getattr(model, "config", None), "_name_or_path", "") or "the target"
         text = text_model(model, where)
         cfg = text_config(text.config)
@@ -52,8 +52,12 @@ class TargetRunner:
         # compile_layers: every decoder layer under torch.compile, where the self-check finds it exact (kernels.choose:
         # True or "on"; "auto": unless the attention is flex); unchecked without the check, never with
         # choose_kernels=False.
+        # warm_tokens: the run's batch size; compiled layers run first on a batch of about that many tokens, rows as
+        # long as the check's length allows (kernels.warm_forward), then on one row of that length
         self.kernels = kernels.current(model)
         self._compile = {True: "on", False: "off"}.get(compile_layers, compile_layers)  # type: ignore[call-overload]
+        length = min(check_length, warm_tokens // 2)
+        self._warm = (warm_tokens // length, length) if length >= 2 * 96 else None
         reference = self._reference(model, check_length, choose_kernels) if check else None
         if self._compile == "on" and not check:
             kernels.compile_layers(text.layers[: self.depth])
@@ -74,7 +78,11 @@ class TargetRunner:
         if reference is not None:
             self._compare(cfg, *reference)
             if self.kernels.compiled:  # a batch of one row compiles once more (torch specialises a size of 1): now
-                self.hidden(reference[0][:1, : reference[1][0]])
+                if self._warm is None:
+                    self.hidden(reference[0][:1, : reference[1][0]])
+                else:
+                    self.hidden(torch.randint(0, self.text.embed_tokens.weight.shape[0], (1, self._warm[1]),
+                                              device=self.device))
 
     def _take(self, i: int) -> Any:
         def hook(module: Any, args: Any, output: Any) -> None:
@@ -147,7 +155,7 @@ class TargetRunner:
         if choose_kernels:
             dtype = str(self.text.embed_tokens.weight.dtype).removeprefix("torch.")
             self.kernels, refs = kernels.choose(model, self.text, ids, lengths, self.layer_ids, self.kinds, dtype,
-                                                compile=self._compile)
+                                                compile=self._compile, warm=self._warm)
         else:
             refs = kernels.captured(kernels.model_states(model, ids, self.depth, lengths), self.layer_ids)
         return ids, lengths, refs

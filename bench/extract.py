@@ -310,12 +310,14 @@ def run_command(model: Path, data: Path, store: Path, gpus: str, flags: list[str
     dropped = settle()
     started = time.time()
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    with log.open("w") as err:  # its log as it runs: a run that a time limit cuts still says how far it got
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
     wall = time.perf_counter() - t0
-    log.write_text(done.stderr + (f"\n--- stdout ---\n{done.stdout}" if done.stdout else ""))
+    text = log.read_text()
+    if done.stdout:
+        log.write_text(text + f"\n--- stdout ---\n{done.stdout}")
     if done.returncode != 0:
-        raise SystemExit(f"`{' '.join(cmd)}` failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    text = done.stderr
+        raise SystemExit(f"`{' '.join(cmd)}` failed ({done.returncode}):\n{text[-3000:]}")
     tokens = int(re.search(r"samples, ([\d,]+) tokens", text).group(1).replace(",", ""))
     nbytes = float(re.search(r"tokens\), ([\d.]+) GB", text).group(1)) * 1e9
     load = float(re.search(r"model loaded in ([\d.]+) s", text).group(1))

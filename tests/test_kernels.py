@@ -342,21 +342,36 @@ def test_a_compiled_layer_is_one_graph_and_the_check_still_reads_hidden_states(t
 def test_compiled_layers_are_checked_like_a_kernel_and_give_eager_features(tiny_target, caplog):  # noqa: F811
     """--compile-layers: the decoder layers under torch.compile (inductor, dynamic shapes) pass the same self-check as a
     kernel, are named in the runner's kernels (the log, the header, every commit record), and give the eager layers'
-    features on batches of other shapes than the check's, the captured layers' hooks included."""
+    features on batches of other shapes than the check's, the captured layers' hooks included. With warm_tokens
+    (extract passes its batch size on CUDA) their first call is a batch of about that many tokens in rows the
+    check's length allows, then one row of that length (kernels.warm_forward: inductor takes its size hints and
+    Triton its first-launch tuning from the first call, not from the check's 2 rows of 96 tokens), and later
+    batches compile nothing more."""
+    from torch._dynamo.utils import counters
+
     from dflash.targets.runner import TargetRunner
 
     path = tiny_target("qwen3_moe")
     eager = TargetRunner(_load(path), list(LAYERS))
+    torch._dynamo.reset()
+    counters.clear()
+    model, shapes = _load(path), []
+    model.model.embed_tokens.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
     with caplog.at_level(logging.INFO, logger="dflash"):
-        runner = TargetRunner(_load(path), list(LAYERS), compile_layers=True)
+        runner = TargetRunner(model, list(LAYERS), check_length=200, compile_layers=True, warm_tokens=600)
     assert runner.kernels.compiled and not eager.kernels.compiled, caplog.text
     assert "layers compiled" in str(runner.kernels) and runner.kernels.to_dict()["compiled"] is True
     assert "decoder layers compiled in" in caplog.text and "run eager" not in caplog.text
+    assert "first on 3 x 200 tokens" in caplog.text
+    # the candidates' eager checks on the check's rows, then the compiled layers: the run's size first
+    assert shapes[-4:] == [(3, 200), (2, 96), (2, 96), (1, 200)] and (3, 200) not in shapes[:-4], shapes
+    graphs = counters["stats"]["unique_graphs"]
     gen = torch.Generator().manual_seed(1)
     for shape in ((3, 40), (1, 77)):  # dynamic shapes: no recompilation per batch shape needed for exactness
         ids = torch.randint(0, 200, shape, generator=gen)
         for got, want in zip(runner.hidden(ids), eager.hidden(ids)):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs > 0, "a batch of the run compiled anew"
 
     # A compiled layer that fails later (a new kind of batch compiled anew, the compiler failing on it): the batch
     # and the ones after it run eager, with a warning, and the runner's kernels (every later commit record) say so.
@@ -372,41 +387,6 @@ def test_compiled_layers_are_checked_like_a_kernel_and_give_eager_features(tiny_
     assert not runner.kernels.compiled and "layers compiled" not in str(runner.kernels)
     for g, want in zip(got, eager.hidden(ids)):
         torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.internals  # dynamo's graphs per shape: run on every new torch release
-def test_compiled_layers_run_first_on_a_batch_of_the_runs_size_at_no_extra_compilation(tiny_target, caplog):  # noqa: F811
-    """With warm_tokens (extract passes its batch size), the compiled layers' first call is a batch of about that many
-    tokens in rows the check's length allows, then one row of that length (kernels.warm_forward: inductor takes
-    its size hints and Triton its first-launch tuning from the first call, not from the check's 2 rows of 96
-    tokens). It compiles no more graphs than the check alone, and the features stay the eager layers'."""
-    from torch._dynamo.utils import counters
-
-    from dflash.targets.runner import TargetRunner
-
-    path = tiny_target("qwen3_moe")
-    eager = TargetRunner(_load(path), list(LAYERS))
-    graphs = {}
-    for warm in (0, 600):
-        torch._dynamo.reset()
-        counters.clear()
-        model, shapes = _load(path), []
-        model.model.embed_tokens.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
-        with caplog.at_level(logging.INFO, logger="dflash"):
-            runner = TargetRunner(model, list(LAYERS), check_length=200, compile_layers=True, warm_tokens=warm)
-        graphs[warm] = counters["stats"]["unique_graphs"]
-        assert runner.kernels.compiled, caplog.text
-    assert "first on 3 x 200 tokens" in caplog.text
-    # the candidates' eager checks on the check's rows, then the compiled layers: the run's size first
-    assert shapes[-4:] == [(3, 200), (2, 96), (2, 96), (1, 200)] and (3, 200) not in shapes[:-4], shapes
-    assert graphs[600] == graphs[0] > 0, graphs
-    gen = torch.Generator().manual_seed(2)
-    for shape in ((4, 150), (1, 120)):
-        ids = torch.randint(0, 200, shape, generator=gen)
-        for got, want in zip(runner.hidden(ids), eager.hidden(ids)):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert counters["stats"]["unique_graphs"] == graphs[600], "a batch of the run compiled anew"
-    torch._dynamo.reset()
 
 
 def test_layers_that_do_not_compile_run_eager_with_a_warning(tiny_target, caplog, monkeypatch):  # noqa: F811

@@ -275,8 +275,8 @@ def main() -> None:
                     help="semicolon-separated attention,experts pairs to time after the command's candidates (with "
                          "--only-chosen, after its choice), e.g. sdpa,dflash_grouped_mm (targets/experts.py); a third "
                          "field ',compile' runs every decoder layer under torch.compile (dynamic shapes); a dense "
-                         "target's experts field is empty (sdpa,,compile). Never the best forward the command is held to: extract does "
-                         "not run them")
+                         "target's experts field is empty (sdpa,,compile). Never the best forward the command is "
+                         "held to: extract does not run them")
     ap.add_argument("--compile-layers", dest="compile", default="on", choices=("auto", "on", "off"),
                     help="the command's --compile-layers (default on: what auto does on a run of 10M tokens or "
                          "more, the runs a user waits for; a case of this bench is shorter)")

@@ -53,11 +53,12 @@ class TargetRunner:
         # True or "on"; "auto": unless the attention is flex); unchecked without the check, never with
         # choose_kernels=False.
         # warm_tokens: the run's batch size; compiled layers run first on a batch of about that many tokens, rows as
-        # long as the check's length allows (kernels.warm_forward), then on one row of that length
+        # long as the check's length allows (kernels.warm_forward), then on one row of that length; rows no longer
+        # than the check's shortest (96 tokens) need no batch of their own
         self.kernels = kernels.current(model)
         self._compile = {True: "on", False: "off"}.get(compile_layers, compile_layers)  # type: ignore[call-overload]
         length = min(check_length, warm_tokens // 2)
-        self._warm = (warm_tokens // length, length) if length >= 2 * 96 else None
+        self._warm = (warm_tokens // length, length) if length > 96 else None
         reference = self._reference(model, check_length, choose_kernels) if check else None
         if self._compile == "on" and not check:
             kernels.compile_layers(text.layers[: self.depth])

@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (the README's test command runs three workers on CI's 2-core machine): torch on
+    """Under pytest-xdist (the README's test command runs two workers, one a core on CI's 2-core machine): torch on
     one thread in each worker and in every interpreter a test starts (OMP_NUM_THREADS is inherited). OpenMP threads
     spinning against another worker's made runs many times slower: the tiny demo took 130 s alone and 352 s inside
     the suite (bench/RESULTS.md); tests that start subprocesses already set it one by one."""

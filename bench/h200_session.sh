@@ -78,7 +78,11 @@
 #           after part 28: the command did not move with the unrolled sum, 50,570 tok/s, while the bench's forward,
 #           first called on its first batch, ran 1.12x with it; inductor takes its size hints and Triton its tuning
 #           from the first call, which was the self-check's 2 x 96 tokens), beside its forward, then the command as
-#           before (BENCH_FIRST_CALL_CHECK=1: first call on the check's rows) in the same call
+#           before (BENCH_FIRST_CALL_CHECK=1: first call on the check's rows) in the same call; since its first try
+#           (the runner's check refused the target: the check's states came from other graphs than the run's), the
+#           compiled-layers GPU test of qwen3_moe first, now with the warm batch
+#   PART 30: the dense Qwen3.6-27B shape with its layers compiled alone (part 26 without its GPU test, which passed on
+#           2026-12-06): 100K tokens, the command beside its forward
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -296,7 +300,11 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   fk fk28_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk28 --tokens 1000000 --features
   ;;
 29)
+  gpu_tests 120 tests/test_kernels.py -k "compiled and cuda and qwen3_moe"
   fk fk29_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk29 --tokens 1000000 --features --variants "BENCH_FIRST_CALL_CHECK=1"
+  ;;
+30)
+  fk fk30_qwen36 "$(left)" qwen36_27b --work /tmp/fk26 --tokens 100000
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

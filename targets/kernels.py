@@ -400,13 +400,15 @@ def _compiled(model: Any, text: Any, ids: Any, lengths: list[int], depth: int, r
     import torch
 
     t0 = time.perf_counter()
+    log.info("compiling the decoder layers (torch.compile, dynamic shapes%s): seconds on the CPU's tiny targets, a "
+             "minute or more for a large target on a GPU", f", first on {warm[0]} x {warm[1]} tokens" if warm else "")
     try:
         compile_layers(text.layers)
         # in the grad mode the runner's forwards run in (inference mode), so that they reuse what compiles here
         with torch.inference_mode():
             if warm is not None:
                 warm_forward(text, warm)
-            states = model_states(model, ids, depth, lengths)
+            states = layer_states(text, ids, depth, lengths)
     except Exception as e:  # noqa: BLE001 - a layer torch cannot compile on this machine: the eager layers
         compile_layers(text.layers, on=False)
         log.warning("%s with its layers compiled: cannot run here (%s: %s); its layers run eager", k,
@@ -423,6 +425,41 @@ def _compiled(model: Any, text: Any, ids: Any, lengths: list[int], depth: int, r
              "once more on the first batches)", time.perf_counter() - t0,
              f", first on {warm[0]} x {warm[1]} tokens" if warm else "")
     return replace(k, compiled=True), states, c_err
+
+
+def layer_states(text: Any, ids: Any, depth: int, lengths: list[int]) -> list[Any]:
+    """Return model_states' rows (the first layer's input, then each decoder layer's output up to the deepest run)
+    from the text model called as the runner and warm_forward call it, the layers' outputs taken by forward hooks.
+
+    Compiled layers compile once for each set of arguments they are called with: the full model asked for
+    output_hidden_states passes its layers two more than the runner does, so its states would come from graphs of
+    their own, compiled with the check's 2 rows as inductor's size hints, where the run's graphs take the warm
+    batch's. On one H100 the two roundings moved a tied routing of a Qwen3-30B-A3B-shaped layer by 2.6% of its
+    scale and the runner's check refused the target; here the check and the run share their graphs."""
+    import torch
+
+    taken: dict[int, Any] = {}
+
+    @torch.compiler.disable  # run as Python: torch would compile each hook once for every length of `taken`
+    def first_input(module: Any, args: Any, kwargs: dict) -> None:
+        taken[0] = args[0] if args else kwargs["hidden_states"]
+
+    def output(j: int) -> Any:
+        @torch.compiler.disable
+        def hook(module: Any, args: Any, out: Any) -> None:
+            taken[j + 1] = out[0] if isinstance(out, tuple) else out
+
+        return hook
+
+    hooks = [text.layers[0].register_forward_pre_hook(first_input, with_kwargs=True)]
+    hooks += [text.layers[j].register_forward_hook(output(j)) for j in range(depth)]
+    try:
+        with torch.no_grad(), attention_backends(ids.device):
+            text(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [torch.stack([taken[j][b, :n] for j in range(depth + 1)]) for b, n in enumerate(lengths)]
 
 
 def warm_forward(text: Any, shape: tuple[int, int]) -> None:

@@ -339,14 +339,17 @@ def test_a_compiled_layer_is_one_graph_and_the_check_still_reads_hidden_states(t
 
 
 @pytest.mark.internals  # torch.compile's module compilation and dynamo's limits: run on every new torch release
-def test_compiled_layers_are_checked_like_a_kernel_and_give_eager_features(tiny_target, caplog):  # noqa: F811
+def test_compiled_layers_are_checked_like_a_kernel_and_give_eager_features(tiny_target, caplog,  # noqa: F811
+                                                                          monkeypatch):
     """--compile-layers: the decoder layers under torch.compile (inductor, dynamic shapes) pass the same self-check as a
     kernel, are named in the runner's kernels (the log, the header, every commit record), and give the eager layers'
     features on batches of other shapes than the check's, the captured layers' hooks included. With warm_tokens
     (extract passes its batch size on CUDA) their first call is a batch of about that many tokens in rows the
     check's length allows, then one row of that length (kernels.warm_forward: inductor takes its size hints and
     Triton its first-launch tuning from the first call, not from the check's 2 rows of 96 tokens), and later
-    batches compile nothing more."""
+    batches compile nothing more. The check's states come from the graphs the run uses (the text model called as
+    the runner calls it): the full model's output_hidden_states compiled graphs of its own on the check's rows, and
+    on one H100 their other roundings moved a tied routing by 2.6% and the runner's check refused the target."""
     from torch._dynamo.utils import counters
 
     from dflash.targets.runner import TargetRunner
@@ -357,8 +360,22 @@ def test_compiled_layers_are_checked_like_a_kernel_and_give_eager_features(tiny_
     counters.clear()
     model, shapes = _load(path), []
     model.model.embed_tokens.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
+    graphs_at = {}  # graphs compiled after the warm batch's: the check and the runner run the warm batch's graphs
+    warm, compare = kernels.warm_forward, TargetRunner._compare
+
+    def warmed(*args):
+        warm(*args)
+        graphs_at["warm"] = counters["stats"]["unique_graphs"]
+
+    def compared(*args):
+        compare(*args)
+        graphs_at["compare"] = counters["stats"]["unique_graphs"]
+
+    monkeypatch.setattr(kernels, "warm_forward", warmed)
+    monkeypatch.setattr(TargetRunner, "_compare", compared)
     with caplog.at_level(logging.INFO, logger="dflash"):
         runner = TargetRunner(model, list(LAYERS), check_length=200, compile_layers=True, warm_tokens=600)
+    assert graphs_at["compare"] == graphs_at["warm"] > 0, "the check's states came from graphs the run does not use"
     assert runner.kernels.compiled and not eager.kernels.compiled, caplog.text
     assert "layers compiled" in str(runner.kernels) and runner.kernels.to_dict()["compiled"] is True
     assert "decoder layers compiled in" in caplog.text and "run eager" not in caplog.text
@@ -411,8 +428,8 @@ def test_layers_that_do_not_compile_run_eager_with_a_warning(tiny_target, caplog
 @pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe", "deepseek_v3"])
 def test_on_cuda_compiled_layers_are_exact_and_taken(arch, tiny_target, caplog):  # noqa: F811
     """On CUDA in bf16 the fastest kernels with every decoder layer compiled (flex for the sinks and windows inside
-    the compiled layers, dflash's grouped GEMMs) pass the self-check, and give the eager layers' features within
-    bf16 rounding on a batch of another shape."""
+    the compiled layers, dflash's grouped GEMMs), first called on a batch of the run's size as extract calls them,
+    pass the self-check, and give the eager layers' features within bf16 rounding on a batch of another shape."""
     from dflash.targets.load import load_for_features
     from dflash.targets.runner import TargetRunner
 
@@ -422,8 +439,9 @@ def test_on_cuda_compiled_layers_are_exact_and_taken(arch, tiny_target, caplog):
                          check_length=4 * TINY_WINDOW)
     with caplog.at_level(logging.INFO, logger="dflash"):
         runner = TargetRunner(load_for_features(tiny_target(arch), dev, torch.bfloat16), list(LAYERS),
-                              check_length=4 * TINY_WINDOW, compile_layers=True)
+                              check_length=200, compile_layers=True, warm_tokens=1600)
     assert runner.kernels.compiled and runner.kernels.attention == eager.kernels.attention, caplog.text
+    assert "first on 8 x 200 tokens" in caplog.text  # extract's first call on CUDA, as in a run
     ids = torch.randint(0, 200, (2, 5 * TINY_WINDOW + 3), device=dev)
     for got, want in zip(runner.hidden(ids), eager.hidden(ids)):
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.05

@@ -447,6 +447,18 @@ def test_on_cuda_compiled_layers_are_exact_and_taken(arch, tiny_target, caplog):
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.05
 
 
+def test_compile_layers_auto_leaves_gated_deltanet_targets_eager(tiny_target, caplog):  # noqa: F811
+    """--compile-layers auto (what a long GPU run asks for) leaves a target with Gated DeltaNet layers eager and says
+    so: compiled, a Qwen3.6-27B-shaped command's start-up ran past 7 minutes on one H100."""
+    from dflash.targets.runner import TargetRunner
+
+    with caplog.at_level(logging.INFO, logger="dflash"):
+        runner = TargetRunner(_load(tiny_target("qwen3_5")), list(LAYERS), compile_layers="auto")
+    assert not runner.kernels.compiled
+    assert all(layer._compiled_call_impl is None for layer in runner.text.layers)
+    assert "leaves a target with Gated DeltaNet layers eager" in caplog.text, caplog.text
+
+
 def test_compile_layers_auto_compiles_long_gpu_runs_only(caplog):
     """--compile-layers auto: off on the CPU and for a GPU run under COMPILE_MIN_TOKENS tokens left (the compilation
     would not pay for itself; the log says so), "auto" for a longer GPU run (kernels.choose then leaves flex

@@ -83,6 +83,8 @@
 #           compiled-layers GPU test of qwen3_moe first, now with the warm batch
 #   PART 30: the dense Qwen3.6-27B shape with its layers compiled alone (part 26 without its GPU test, which passed on
 #           2026-12-06): 100K tokens, the command beside its forward
+#   PART 31: part 30 with the main thread's stack in the command's log every 40 s (BENCH_STACKS): where its start-up,
+#           cut by the limit after 7 minutes in part 30, spends its time
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -305,6 +307,10 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   ;;
 30)
   fk fk30_qwen36 "$(left)" qwen36_27b --work /tmp/fk26 --tokens 100000
+  ;;
+31)
+  export BENCH_STACKS=40 TRITON_PRINT_AUTOTUNING=1
+  fk fk31_qwen36 "$(left)" qwen36_27b --work /tmp/fk26 --tokens 100000
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

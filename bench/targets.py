@@ -128,6 +128,22 @@ def child(argv: list[str]) -> None:
         # takes every size as symbolic (transformers' compiled flex attention and block masks compile once for all
         # batch shapes, not once static and again dynamic at the next shape)
         torch._dynamo.config.assume_static_by_default = False
+    if os.environ.get("BENCH_STACKS"):  # the main thread's stack every BENCH_STACKS seconds, into the command's log:
+        # where a start-up that a limit cuts spends its time (faulthandler's dump_traceback_later, tried first,
+        # crashed the process inside torch.compile on the CPU)
+        import threading
+        import traceback
+
+        def stacks(every: float, main: int) -> None:
+            while True:
+                time.sleep(every)
+                frame = sys._current_frames().get(main)
+                if frame is not None:
+                    print(f"[bench stack {time.strftime('%H:%M:%S')}]\n" + "".join(traceback.format_stack(frame)[-25:]),
+                          file=sys.stderr, flush=True)
+
+        threading.Thread(target=stacks, args=(float(os.environ["BENCH_STACKS"]), threading.get_ident()),
+                         daemon=True).start()
     if os.environ.get("BENCH_FIRST_CALL_CHECK") == "1":  # a --variants probe: the compiled layers' first call on the
         # self-check's 2 rows of ~96 tokens, as before kernels.warm_forward (inductor's size hints and Triton's
         # first-launch tuning from that call, not from a batch of the run's size)

@@ -85,6 +85,8 @@
 #           2026-12-06): 100K tokens, the command beside its forward
 #   PART 31: part 30 with the main thread's stack in the command's log every 40 s (BENCH_STACKS): where its start-up,
 #           cut by the limit after 7 minutes in part 30, spends its time
+#   PART 32: the dense Qwen3.6-27B shape as --compile-layers auto runs it (eager: Gated DeltaNet layers), 100K
+#           tokens, the command beside its forward, the stacks kept (the dense goal's measurement)
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -311,6 +313,10 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
 31)
   export BENCH_STACKS=40 TRITON_PRINT_AUTOTUNING=1
   fk fk31_qwen36 "$(left)" qwen36_27b --work /tmp/fk26 --tokens 100000
+  ;;
+32)
+  export BENCH_STACKS=60
+  fk fk32_qwen36 "$(left)" qwen36_27b --work /tmp/fk26 --tokens 100000 --compile-layers auto
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

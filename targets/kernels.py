@@ -321,10 +321,13 @@ def relative_error(got: list[Any], want: list[Any]) -> tuple[float, int, int]:
 
 
 def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[int], kinds: list[str],
-           dtype: str, compile: str = "off", warm: tuple[int, int] | None = None) -> tuple[Kernels, list[Any]]:
+           dtype: str, compile: str = "off",
+           warm: tuple[int, int] | None = None) -> tuple[Kernels, list[Any], list[Any] | None]:
     """Return the first candidate kernels whose forward equals the eager float32 forward within the dtype's
-    rounding (the model is left running them), and that forward's captured states on the rows (what the
-    truncated runner is then checked against). Logs the choice, and every candidate it passed over and why.
+    rounding (the model is left running them), that forward's captured states on the rows (what the truncated
+    runner is then checked against), and where its layers are compiled the same kernels' captured states with the
+    layers eager (the runner's check if it must leave them eager), else None. Logs the choice, and every candidate
+    it passed over and why.
     compile: "on", then the same with every decoder layer compiled (compile_layers), held to the same bound; where
     it fails to compile or differs more, the layers run eager again and a warning says why; "auto", the same unless
     the attention chosen is flex (compiled layers around flex are not measured faster yet) or the target has Gated
@@ -373,6 +376,7 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
         err, layer, row = relative_error(got, ref)
         bound = tol if err <= tol or last else allowed(k)
         if err <= bound or last:
+            eager = None
             if compile == "auto" and k.attention == "flex_attention":
                 log.info("decoder layers run eager: --compile-layers auto leaves a target on flex attention eager (its "
                          "compiled layers are not measured faster yet); --compile-layers on compiles them")
@@ -381,11 +385,12 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
                          "eager (compiled, a Qwen3.6-27B-shaped command on one H100 had not finished its start-up "
                          "after 7 minutes; not measured faster); --compile-layers on compiles them")
             elif compile in ("on", "auto"):
+                eager = captured(got, layer_ids)
                 k, got, err = _compiled(model, text, ids, lengths, depth, ref, k, got, err, allowed(k), against,
                                         dtype, warm)
             log.info("kernels: %s (checked against %s on %s: each layer's update within %.2g of it, 90th "
                      "percentile token over the RMS)", k, against, rows, err)
-            return k, captured(got, layer_ids)
+            return k, captured(got, layer_ids), eager if k.compiled else None
         log.warning("%s: differs from %s by %.3g (layer %d's update, row %d, 90th percentile token over the RMS; "
                     "%s rounding allows %.2g): not used; trying %s", k, against, err, layer, row, dtype, bound,
                     options[n + 1])

@@ -225,7 +225,7 @@ def test_a_float32_reference_out_of_memory_inside_a_streamed_layer_falls_back_an
     hook = text.layers[2].mlp.down_proj.register_forward_pre_hook(oom)
     ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(7))
     with caplog.at_level("WARNING", logger="dflash.targets.kernels"):
-        chosen, _ = kernels.choose(streamed, text, ids, [40, 23], [0, 2], ["full_attention"] * 4, "bfloat16")
+        chosen, _, _ = kernels.choose(streamed, text, ids, [40, 23], [0, 2], ["full_attention"] * 4, "bfloat16")
     hook.remove()
     assert any("the eager float32 reference cannot run here" in r.getMessage() for r in caplog.records)
     kernels.apply(whole, chosen)

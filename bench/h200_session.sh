@@ -87,6 +87,13 @@
 #           cut by the limit after 7 minutes in part 30, spends its time
 #   PART 32: the dense Qwen3.6-27B shape as --compile-layers auto runs it (eager: Gated DeltaNet layers), 100K
 #           tokens, the command beside its forward, the stacks kept (the dense goal's measurement)
+#   PART 33: bench/attention_probe.py (SDPA's flash, cuDNN and efficient kernels at the attention shapes of the
+#           Qwen3-30B-A3B, Qwen3.6-27B and DeepSeek-V3 targets: warm TFLOP/s, a new shape's first call, error against
+#           float32; flash attention took 28% of the compiled Qwen3-30B-A3B forward at ~290 TFLOP/s), then part 32
+#   PART 34: issue 44 with cuDNN's attention on lengths rounded up (targets/attention.py, after part 33's probe: 1.8x
+#           flash at the Qwen3-30B-A3B layer's shape): its GPU tests (the tiny targets' self-check takes it, eager and
+#           compiled), then the Qwen3-30B-A3B shape's compiled command over 1M tokens with --features, beside its
+#           forward with SDPA's flash kernel as before (--also sdpa,dflash_grouped_mm,compile: the same machine's A/B)
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -318,8 +325,20 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   export BENCH_STACKS=60
   fk fk32_qwen36 "$(left)" qwen36_27b --work /tmp/fk26 --tokens 100000 --compile-layers auto
   ;;
+33)
+  pip list 2>/dev/null | grep -i -E "flash|cudnn|cutlass|kernels|triton" > "$OUT/pip_attention.txt"
+  timeout 150 python3 bench/attention_probe.py --out "$OUT/attention_probe.json" > "$OUT/attention_probe.txt" 2>&1
+  echo "attention_probe exit $?" >> "$OUT/gpu.txt"
+  export BENCH_STACKS=60
+  fk fk32_qwen36 "$(left)" qwen36_27b --work /tmp/fk26 --tokens 100000 --compile-layers auto
+  ;;
+34)
+  gpu_tests 150 tests/test_kernels.py -k "on_cuda and (qwen3_moe or deepseek_v3 or gemma3_text)"
+  fk fk34_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk34 --tokens 1000000 --features \
+    --also "sdpa,dflash_grouped_mm,compile"
+  ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
+for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk34 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
            -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

@@ -2,7 +2,8 @@
 model's own eager float32 forward: the fastest exact path for every layer kind.
 
 Candidates come from what transformers offers (`attn_implementation`, `experts_implementation`), never a Hub
-kernel (`use_kernels` stays off): on CUDA flash_attention_2 where flash-attn is installed and the model runs SDPA,
+kernel (`use_kernels` stays off): on Hopper and later dflash's cuDNN attention (targets/attention.py) for targets of
+full attention, on CUDA flash_attention_2 where flash-attn is installed and the model runs SDPA,
 flex_attention for sliding windows and attention sinks (its block mask skips what a window hides; the sinks enter
 its softmax through the log-sum-exp), SDPA, then eager; for the experts on CUDA dflash's forward-only grouped GEMMs
 (targets/experts.py), then transformers' grouped GEMMs, then its loop over experts. On the CPU flex does not take
@@ -36,7 +37,8 @@ def attention_backends(device: torch.device, cudnn: bool = False) -> Any:
     shape. Extraction's batches are packed to their samples' lengths, so nearly every batch is a new shape: on one
     H200 a first pass over a short real run's 163 batches took 23.0 s against 15.1 s for a second pass over the same
     batches, and leaving cuDNN out took the command from 21,775 to 29,693 tok/s (bench/RESULTS.md, issue 22). Flash
-    and memory-efficient attention keep no per-shape state, and attention is a few percent of these forwards.
+    and memory-efficient attention keep no per-shape state. cuDNN's kernel is faster once planned: targets/attention.py
+    (its own candidate) calls it on lengths rounded up, so that its plans are few.
     The flags it sets are torch's process-wide ones, restored on exit: in extract only the forward's thread runs SDPA.
     """
     if device.type != "cuda" or cudnn:
@@ -112,20 +114,28 @@ def attention_order(owner: Any, kinds: list[str], device: Any) -> list[str]:
 
     A model that does not run SDPA has attention SDPA cannot take (gpt-oss: sinks): flash-attn, which has no
     sinks either, is not tried there; flex is, since its softmax takes the sinks through its log-sum-exp on CUDA.
-    Full attention alone stays on SDPA (its flash kernel, no mask at all), windows go to flex, whose block mask
-    skips what they hide (SDPA is handed a dense mask and computes every pair).
+    Full attention alone goes to cuDNN's kernel on Hopper and later (targets/attention.py: SDPA without a mask, its
+    lengths rounded up so that cuDNN's per-shape plans are few; 1.8-4x SDPA's flash or memory-efficient kernel on one
+    H100), then SDPA (its flash kernel, no mask at all); windows go to flex, whose block mask skips what they hide
+    (SDPA is handed a dense mask and computes every pair).
     """
     import torch
+
+    from . import attention
 
     cuda = torch.device(device).type == "cuda"
     sdpa = bool(getattr(owner, "_supports_sdpa", False))
     flex = bool(getattr(owner, "_supports_flex_attn", False))
     flash = bool(getattr(owner, "_supports_flash_attn", False))
     order: list[str] = []
+    if cuda and sdpa and "sliding_attention" not in kinds and attention.usable(device):
+        order.append(attention.NAME)
     if cuda and sdpa and flash and _flash_attn_installed():
         order.append("flash_attention_2")
     if cuda and flex and ("sliding_attention" in kinds or not sdpa):
         order.append("flex_attention")
+    if cuda and sdpa and "sliding_attention" in kinds and attention.usable(device):
+        order.append(attention.NAME)  # the full-attention layers of a target with windows, if flex is not exact
     if sdpa:
         order.append("sdpa")
     return order + ["eager"]
@@ -153,7 +163,11 @@ def candidates(model: Any, kinds: list[str], device: Any) -> list[Kernels]:
 def apply(model: Any, kernels: Kernels) -> None:
     """Switch the model to the kernels (transformers' set_attn_implementation / set_experts_implementation);
     ValueError or ImportError when this model or machine cannot run them."""
+    from . import attention
+
     now = current(model)
+    if kernels.attention == attention.NAME:
+        attention.register()
     if now.attention != kernels.attention:
         model.set_attn_implementation(kernels.attention)
     if kernels.experts is not None and now.experts != kernels.experts:

@@ -36,6 +36,63 @@ def test_the_attention_order_per_target_and_device(arch, device, want, tiny_targ
     assert attention_for(config, torch.device(device)) == want[0]
 
 
+@pytest.mark.parametrize("arch, device, want", [
+    ("qwen3", "cuda", ["cudnn_padded", "sdpa", "eager"]),  # full attention: cuDNN's kernel first
+    ("deepseek_v3", "cuda", ["cudnn_padded", "sdpa", "eager"]),  # MLA: flash does not take its head dims
+    ("mistral", "cuda", ["flex_attention", "cudnn_padded", "sdpa", "eager"]),  # windows: flex first
+    ("gpt_oss", "cuda", ["flex_attention", "eager"]),  # sinks: no SDPA, no cuDNN
+    ("qwen3", "cpu", ["sdpa", "eager"]),
+])
+def test_on_hopper_full_attention_tries_cudnn_first(arch, device, want, tiny_target, monkeypatch):  # noqa: F811
+    """Where targets/attention.py is usable (a CUDA device of capability 9.0 or more with cuDNN: what this machine
+    lacks is its GPU, so usable() is what is replaced), cuDNN's attention is tried before SDPA's own kernels."""
+    from transformers import AutoConfig
+
+    from dflash.targets import attention
+    from dflash.targets.adapter import _causal_lm_class, layer_kinds, text_config
+
+    monkeypatch.setattr(kernels, "_flash_attn_installed", lambda: False)
+    monkeypatch.setattr(attention, "usable", lambda d: torch.device(d).type == "cuda" and attention.register())
+    config = AutoConfig.from_pretrained(tiny_target(arch))
+    assert kernels.attention_order(_causal_lm_class(config), layer_kinds(text_config(config)), device) == want
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "deepseek_v3", "gemma3_text", "qwen3_5"])
+def test_dflash_cudnn_attention_pads_lengths_and_equals_sdpa(arch, tiny_target, monkeypatch):  # noqa: F811
+    """The padded path (off CUDA it runs SDPA's own kernels on the padded rows) gives the model's SDPA forward to
+    float32 rounding: GQA (qwen3), MLA's unequal head dims (deepseek_v3), Gated DeltaNet beside full attention
+    (qwen3_5); every unmasked call sees a length rounded up to GRANULE, and a window's masked layers (gemma3_text's
+    sliding layers beside its full ones) run transformers' SDPA forward on their own length."""
+    from dflash.targets import attention
+    from dflash.targets.adapter import text_model
+
+    model = _load(tiny_target(arch))
+    ids = torch.randint(0, 200, (2, 3 * TINY_WINDOW + 5))
+    seen: list[tuple[int, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *args, **kw):
+        seen.append((q.shape[2], attn_mask is None))
+        return sdpa(q, k, v, attn_mask, *args, **kw)
+
+    def states():
+        with torch.no_grad():
+            return model(input_ids=ids, output_hidden_states=True).hidden_states
+
+    kernels.apply(model, Kernels("sdpa", kernels.current(model).experts))
+    want = states()
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    kernels.apply(model, Kernels(attention.NAME, kernels.current(model).experts))
+    assert text_model(model, "t").config._attn_implementation == attention.NAME
+    got = states()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    padded = [n for n, unmasked in seen if unmasked]
+    assert padded and all(n == attention.GRANULE for n in padded), seen  # 29 tokens rounded up to 256
+    masked = [n for n, unmasked in seen if not unmasked]
+    assert (masked and all(n == ids.shape[1] for n in masked)) if arch == "gemma3_text" else not masked, seen
+
+
 def _load(path, dtype=torch.float32):
     from dflash.targets.load import load_for_features
 

@@ -93,7 +93,8 @@
 #   PART 34: issue 44 with cuDNN's attention on lengths rounded up (targets/attention.py, after part 33's probe: 1.8x
 #           flash at the Qwen3-30B-A3B layer's shape): its GPU tests (the tiny targets' self-check takes it, eager and
 #           compiled), then the Qwen3-30B-A3B shape's compiled command over 1M tokens with --features, beside its
-#           forward with SDPA's flash kernel as before (--also sdpa,dflash_grouped_mm,compile: the same machine's A/B)
+#           forward with SDPA's flash kernel as before (--also sdpa,dflash_grouped_mm,compile: the same machine's A/B),
+#           then the command as before (--variants BENCH_NO_CUDNN=1) in the time left
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -333,9 +334,9 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   fk fk32_qwen36 "$(left)" qwen36_27b --work /tmp/fk26 --tokens 100000 --compile-layers auto
   ;;
 34)
-  gpu_tests 150 tests/test_kernels.py -k "on_cuda and (qwen3_moe or deepseek_v3 or gemma3_text)"
+  gpu_tests 120 tests/test_kernels.py -k "on_cuda and (qwen3_moe or deepseek_v3)"
   fk fk34_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk34 --tokens 1000000 --features \
-    --also "sdpa,dflash_grouped_mm,compile"
+    --also "sdpa,dflash_grouped_mm,compile" --variants "BENCH_NO_CUDNN=1"
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

@@ -150,6 +150,11 @@ def child(argv: list[str]) -> None:
         import dflash.targets.kernels as kernels
 
         kernels.warm_forward = lambda text, shape: None
+    if os.environ.get("BENCH_NO_CUDNN") == "1":  # a --variants probe: the command as before targets/attention.py
+        # (SDPA's flash or memory-efficient kernel for full attention), on the same machine
+        import dflash.targets.attention as attention
+
+        attention.usable = lambda device: False
     main(argv)
 
 

@@ -334,7 +334,7 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   fk fk32_qwen36 "$(left)" qwen36_27b --work /tmp/fk26 --tokens 100000 --compile-layers auto
   ;;
 34)
-  gpu_tests 120 tests/test_kernels.py -k "on_cuda and (qwen3_moe or deepseek_v3)"
+  gpu_tests 100 tests/test_kernels.py -k "(on_cuda_the_fastest and (qwen3_moe or deepseek_v3)) or (on_cuda_compiled and qwen3_moe)"
   fk fk34_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk34 --tokens 1000000 --features \
     --also "sdpa,dflash_grouped_mm,compile" --variants "BENCH_NO_CUDNN=1"
   ;;

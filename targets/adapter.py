@@ -6,7 +6,8 @@ from typing import Any
 
 from ..errors import InputError
 
-__all__ = ["SUPPORTED", "KINDS", "text_config", "text_model", "layer_kinds", "longest_window", "attention_for",
+__all__ = ["SUPPORTED", "KINDS", "text_config", "text_model", "layer_kinds", "longest_window", "unequal_head_dims",
+           "attention_for",
            "linear_attention_path", "check_architecture"]
 
 SUPPORTED = ("decoder-only transformers whose layers are full, sliding-window or linear (Gated DeltaNet) attention: "
@@ -59,6 +60,16 @@ def longest_window(config: Any, kinds: list[str]) -> int:
     return int(getattr(config, "sliding_window", None) or 0)
 
 
+def unequal_head_dims(config: Any) -> bool:
+    """Return True where the attention's query-key head dim differs from its value head dim (MLA: DeepSeek-V3, Kimi
+    K2), which SDPA's flash kernel does not take (SDPA runs its memory-efficient kernel there)."""
+    cfg = text_config(config)
+    qk = getattr(cfg, "qk_head_dim", None) or (
+        (getattr(cfg, "qk_nope_head_dim", None) or 0) + (getattr(cfg, "qk_rope_head_dim", None) or 0))
+    v = getattr(cfg, "v_head_dim", None)
+    return bool(qk and v and int(qk) != int(v))
+
+
 def attention_for(model_config: Any, device: Any) -> str:
     """Return the attention implementation extraction loads the target with: the first kernels.attention_order
     gives for its class, layer kinds and device (the runner's self-check then keeps it only if it is exact)."""
@@ -66,7 +77,7 @@ def attention_for(model_config: Any, device: Any) -> str:
 
     cls = _causal_lm_class(model_config)
     owner = cls if cls is not None else object()
-    return attention_order(owner, layer_kinds(text_config(model_config)), device)[0]
+    return attention_order(owner, layer_kinds(text_config(model_config)), device, model_config)[0]
 
 
 def linear_attention_path() -> str | None:

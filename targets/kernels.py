@@ -2,9 +2,9 @@
 model's own eager float32 forward: the fastest exact path for every layer kind.
 
 Candidates come from what transformers offers (`attn_implementation`, `experts_implementation`), never a Hub
-kernel (`use_kernels` stays off): on Hopper and later dflash's cuDNN attention (targets/attention.py) for targets of
-full attention, on CUDA flash_attention_2 where flash-attn is installed and the model runs SDPA,
-flex_attention for sliding windows and attention sinks (its block mask skips what a window hides; the sinks enter
+kernel (`use_kernels` stays off): on Hopper and later dflash's cuDNN attention (targets/attention.py) where the
+query-key and value head dims differ (MLA), on CUDA flash_attention_2 where flash-attn is installed and the model
+runs SDPA, flex_attention for sliding windows and attention sinks (its block mask skips what a window hides; the sinks enter
 its softmax through the log-sum-exp), SDPA, then eager; for the experts on CUDA dflash's forward-only grouped GEMMs
 (targets/experts.py), then transformers' grouped GEMMs, then its loop over experts. On the CPU flex does not take
 sinks, so there it is SDPA where the model supports it, else eager, and transformers' own experts.
@@ -38,7 +38,7 @@ def attention_backends(device: torch.device, cudnn: bool = False) -> Any:
     H200 a first pass over a short real run's 163 batches took 23.0 s against 15.1 s for a second pass over the same
     batches, and leaving cuDNN out took the command from 21,775 to 29,693 tok/s (bench/RESULTS.md, issue 22). Flash
     and memory-efficient attention keep no per-shape state. cuDNN's kernel is faster once planned: targets/attention.py
-    (its own candidate) calls it on lengths rounded up, so that its plans are few.
+    (its own candidate, for MLA's head dims) calls it on lengths rounded up, so that its plans are few.
     The flags it sets are torch's process-wide ones, restored on exit: in extract only the forward's thread runs SDPA.
     """
     if device.type != "cuda" or cudnn:
@@ -108,34 +108,35 @@ def _flash_attn_installed() -> bool:
     return util.find_spec("flash_attn") is not None
 
 
-def attention_order(owner: Any, kinds: list[str], device: Any) -> list[str]:
+def attention_order(owner: Any, kinds: list[str], device: Any, config: Any = None) -> list[str]:
     """Return the attention implementations to try for a model class (or model) on a device, fastest first,
-    eager last. kinds: the layer kinds it runs (adapter.layer_kinds).
+    eager last. kinds: the layer kinds it runs (adapter.layer_kinds); config: its config (a model's own by default).
 
     A model that does not run SDPA has attention SDPA cannot take (gpt-oss: sinks): flash-attn, which has no
     sinks either, is not tried there; flex is, since its softmax takes the sinks through its log-sum-exp on CUDA.
-    Full attention alone goes to cuDNN's kernel on Hopper and later (targets/attention.py: SDPA without a mask, its
-    lengths rounded up so that cuDNN's per-shape plans are few; 1.8-4x SDPA's flash or memory-efficient kernel on one
-    H100), then SDPA (its flash kernel, no mask at all); windows go to flex, whose block mask skips what they hide
-    (SDPA is handed a dense mask and computes every pair).
+    Full attention stays on SDPA (its flash kernel, no mask at all), windows go to flex, whose block mask skips what
+    they hide (SDPA is handed a dense mask and computes every pair). Where the query-key and value head dims differ
+    (MLA), which flash does not take, cuDNN's kernel comes first on Hopper and later (targets/attention.py: 4.1x the
+    memory-efficient kernel SDPA runs there, on one H100); where flash runs, cuDNN's plans for new shapes cost more
+    than its faster kernel saved (a Qwen3-30B-A3B-shaped command, bench/RESULTS.md).
     """
     import torch
 
     from . import attention
+    from .adapter import unequal_head_dims
 
     cuda = torch.device(device).type == "cuda"
     sdpa = bool(getattr(owner, "_supports_sdpa", False))
     flex = bool(getattr(owner, "_supports_flex_attn", False))
     flash = bool(getattr(owner, "_supports_flash_attn", False))
+    config = config if config is not None else getattr(owner, "config", None)
     order: list[str] = []
-    if cuda and sdpa and "sliding_attention" not in kinds and attention.usable(device):
+    if cuda and sdpa and config is not None and unequal_head_dims(config) and attention.usable(device):
         order.append(attention.NAME)
     if cuda and sdpa and flash and _flash_attn_installed():
         order.append("flash_attention_2")
     if cuda and flex and ("sliding_attention" in kinds or not sdpa):
         order.append("flex_attention")
-    if cuda and sdpa and "sliding_attention" in kinds and attention.usable(device):
-        order.append(attention.NAME)  # the full-attention layers of a target with windows, if flex is not exact
     if sdpa:
         order.append("sdpa")
     return order + ["eager"]

@@ -37,24 +37,30 @@ def test_the_attention_order_per_target_and_device(arch, device, want, tiny_targ
 
 
 @pytest.mark.parametrize("arch, device, want", [
-    ("qwen3", "cuda", ["cudnn_padded", "sdpa", "eager"]),  # full attention: cuDNN's kernel first
     ("deepseek_v3", "cuda", ["cudnn_padded", "sdpa", "eager"]),  # MLA: flash does not take its head dims
-    ("mistral", "cuda", ["flex_attention", "cudnn_padded", "sdpa", "eager"]),  # windows: flex first
+    ("deepseek_v3", "cpu", ["sdpa", "eager"]),
+    ("qwen3", "cuda", ["sdpa", "eager"]),  # flash takes it: cuDNN's plans cost more than its kernel saved
+    ("mistral", "cuda", ["flex_attention", "sdpa", "eager"]),
     ("gpt_oss", "cuda", ["flex_attention", "eager"]),  # sinks: no SDPA, no cuDNN
-    ("qwen3", "cpu", ["sdpa", "eager"]),
 ])
-def test_on_hopper_full_attention_tries_cudnn_first(arch, device, want, tiny_target, monkeypatch):  # noqa: F811
+def test_on_hopper_mla_tries_cudnn_first(arch, device, want, tiny_target, monkeypatch):  # noqa: F811
     """Where targets/attention.py is usable (a CUDA device of capability 9.0 or more with cuDNN: what this machine
-    lacks is its GPU, so usable() is what is replaced), cuDNN's attention is tried before SDPA's own kernels."""
+    lacks is its GPU, so usable() is what is replaced), cuDNN's attention is tried first for MLA's unequal head dims,
+    both at load (attention_for, from the config) and in the self-check (candidates, from the model)."""
     from transformers import AutoConfig
 
     from dflash.targets import attention
-    from dflash.targets.adapter import _causal_lm_class, layer_kinds, text_config
+    from dflash.targets.adapter import _causal_lm_class, attention_for, layer_kinds, text_config
 
     monkeypatch.setattr(kernels, "_flash_attn_installed", lambda: False)
     monkeypatch.setattr(attention, "usable", lambda d: torch.device(d).type == "cuda" and attention.register())
     config = AutoConfig.from_pretrained(tiny_target(arch))
-    assert kernels.attention_order(_causal_lm_class(config), layer_kinds(text_config(config)), device) == want
+    kinds = layer_kinds(text_config(config))
+    assert kernels.attention_order(_causal_lm_class(config), kinds, device, config) == want
+    assert attention_for(config, device) == want[0]
+    model = _load(tiny_target(arch))
+    assert [k.attention for k in kernels.candidates(model, kinds, device)][:: len(kernels.experts_order(device))
+                                                                           if kernels.has_experts(model) else 1] == want
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "deepseek_v3", "gemma3_text", "qwen3_5"])

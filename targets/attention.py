@@ -17,9 +17,12 @@ never sees a key after it, and the padded queries' outputs are cut off.
 Only causal self-attention without a mask, dropout, sinks or soft-capping takes that path (every layer of a target
 whose layers are full attention, as extract runs it: one sample a row, no padding mask); anything else, a sliding
 window's masked layers among them, runs transformers' SDPA forward unchanged. kernels.attention_order tries it first
-on CUDA devices of compute capability 9.0 or more where cuDNN is present; the start-up self-check keeps it, as every
-candidate, only where it equals the model's eager float32 forward within bf16's rounding. Off CUDA the padded path
-runs SDPA's own kernels (what the CPU tests check it with).
+where the query-key and value head dims differ (MLA), on CUDA devices of compute capability 9.0 or more where cuDNN
+is present; the start-up self-check keeps it, as every candidate, only where it equals the model's eager float32
+forward within bf16's rounding. Where SDPA's flash kernel runs it is not tried: on one H100 a Qwen3-30B-A3B-shaped
+command over 1M tokens with it ran 47,243 tok/s, its forwards 5 s longer than warm for the plans of new shapes,
+while its warm forward gained 1.028x over flash (bench/RESULTS.md). Off CUDA the padded path runs SDPA's own kernels
+(what the CPU tests check it with).
 """
 from __future__ import annotations
 
@@ -45,8 +48,8 @@ def register() -> bool:
 
 
 def usable(device: Any) -> bool:
-    """Return True on a CUDA device of compute capability 9.0 or more (Hopper, Blackwell) with cuDNN, where this
-    path was measured faster; then it is registered."""
+    """Return True on a CUDA device of compute capability 9.0 or more (Hopper, Blackwell) with cuDNN, where its
+    kernel was measured faster; then it is registered."""
     import torch
 
     device = torch.device(device)

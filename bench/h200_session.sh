@@ -96,7 +96,7 @@
 #           forward with SDPA's flash kernel as before (--also sdpa,dflash_grouped_mm,compile: the same machine's A/B),
 #           then the command as before (--variants BENCH_NO_CUDNN=1) in the time left
 #   PART 35: the GPU test of cuDNN's attention where it is now tried (MLA's unequal head dims: the tiny deepseek_v3's
-#           16 and 8), and of the Qwen3-MoE target back on SDPA's flash kernel
+#           24 and 16), and of the Qwen3-MoE target back on SDPA's flash kernel
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)

@@ -52,7 +52,7 @@ def test_projections_experts_and_routers_equal_the_flop_counter(arch, tiny_targe
                    for op, n in ops.items() if "mm" in str(op) or "matmul" in str(op))
     parts = flops.of_lengths(lengths)
     # eager attention multiplies every (query, key) pair, masked or not: its two bmm; so does SDPA's math kernel, what
-    # the CPU runs for MLA's unequal query-key and value head dims (the tiny deepseek_v3's 16 and 8)
+    # the CPU runs for MLA's unequal query-key and value head dims (the tiny deepseek_v3's 24 and 16)
     if arch == "gpt_oss" or unequal_head_dims(cfg):
         per_pair = [p for p, _ in flops.attention]
         counted -= sum(per_pair) * sum(n * n for n in lengths)

@@ -126,11 +126,11 @@ def _tiny_config(arch: str, common: dict, heads: int, n: int) -> Any:
         # As many key/value heads as query heads, as DeepSeek-V3's own config has: MLA expands its latent into
         # every head, and transformers 5.24 repeats them again by the group count when there are fewer (a cached
         # forward of several tokens then fails on shapes).
-        # Value heads narrower than the query-key heads (16 against 8, as 192 against 128 in DeepSeek-V3): SDPA's flash
+        # Query-key heads wider than the value heads (24 against 16, as 192 against 128 in DeepSeek-V3): SDPA's flash
         # kernel does not take them, so a GPU run takes cuDNN's (targets/attention.py).
         mla = {**common, "num_key_value_heads": common["num_attention_heads"]}
-        return tf.DeepseekV3Config(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                   v_head_dim=head_dim // 2, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        return tf.DeepseekV3Config(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                   v_head_dim=head_dim, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
                                    topk_group=1, first_k_dense_replace=1, moe_intermediate_size=hidden, **mla)
     text = {k: v for k, v in common.items() if k not in ("tie_word_embeddings",)}
     tie = common["tie_word_embeddings"]

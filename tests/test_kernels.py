@@ -29,7 +29,10 @@ def test_the_attention_order_per_target_and_device(arch, device, want, tiny_targ
 
     from dflash.targets.adapter import _causal_lm_class, attention_for, layer_kinds, text_config
 
+    from dflash.targets import attention
+
     monkeypatch.setattr(kernels, "_flash_attn_installed", lambda: False)
+    monkeypatch.setattr(attention, "usable", lambda d: False)  # a device without cuDNN's attention (the next test's)
     config = AutoConfig.from_pretrained(tiny_target(arch))
     cls = _causal_lm_class(config)
     assert kernels.attention_order(cls, layer_kinds(text_config(config)), torch.device(device)) == want

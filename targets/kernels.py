@@ -6,8 +6,8 @@ kernel (`use_kernels` stays off): on Hopper and later dflash's cuDNN attention (
 query-key and value head dims differ (MLA), on CUDA flash_attention_2 where flash-attn is installed and the model
 runs SDPA, flex_attention for sliding windows and attention sinks (its block mask skips what a window hides; the
 sinks enter its softmax through the log-sum-exp), SDPA, then eager; for the experts on CUDA dflash's forward-only
-grouped GEMMs (targets/experts.py), then transformers' grouped GEMMs, then its loop over experts. On the CPU flex does not take
-sinks, so there it is SDPA where the model supports it, else eager, and transformers' own experts.
+grouped GEMMs (targets/experts.py), then transformers' grouped GEMMs, then its loop over experts. On the CPU flex
+does not take sinks, so there it is SDPA where the model supports it, else eager, and transformers' own experts.
 
 The check (`choose`) runs the full model once in float32 with eager attention and experts (each decoder layer
 upcast in turn, so the check needs one layer's float32 copy, not the model's), then each candidate in the run's

@@ -97,6 +97,12 @@
 #           then the command as before (--variants BENCH_NO_CUDNN=1) in the time left
 #   PART 35: the GPU test of cuDNN's attention where it is now tried (MLA's unequal head dims: the tiny deepseek_v3's
 #           24 and 16), and of the Qwen3-MoE target back on SDPA's flash kernel
+#   PART 36: issue 44's MLA shape with cuDNN's attention (needs an H200: the cut's 62 GB of weights): part 35's GPU
+#           test, then the DeepSeek-V3 cut's command over 1M tokens with --features beside its forward, beside the
+#           forward on SDPA's memory-efficient kernel (--also sdpa,dflash_grouped_mm,compile: the same machine's A/B),
+#           then the command without cuDNN's attention (--variants BENCH_NO_CUDNN=1) in the time left
+#   PART 37: the gpt-oss-20b shape's command as auto runs it over 1M tokens beside its forward, then with every
+#           first compile dynamic (BENCH_DYNAMIC_FIRST: part 25's 8 flex compilations of ~2.6 s)
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -343,8 +349,17 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
 35)
   gpu_tests 100 tests/test_kernels.py -k "on_cuda_the_fastest and (deepseek_v3 or qwen3_moe)"
   ;;
+36)
+  gpu_tests 100 tests/test_kernels.py -k "on_cuda_the_fastest and (deepseek_v3 or qwen3_moe)"
+  fk fk36_dsv3 "$(left)" deepseek_v3_cut --work /tmp/fk36 --tokens 1000000 --features \
+    --also "sdpa,dflash_grouped_mm,compile" --variants "BENCH_NO_CUDNN=1"
+  ;;
+37)
+  fk fk37_gptoss "$(left)" gpt_oss_20b --work /tmp/fk37 --tokens 1000000 --compile-layers auto \
+    --variants "BENCH_DYNAMIC_FIRST=1"
+  ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk34 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
+for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk34 /tmp/fk36 /tmp/fk37 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
            -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

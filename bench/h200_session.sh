@@ -101,7 +101,7 @@
 #           test, then the DeepSeek-V3 cut's command over 1M tokens with --features beside its forward, beside the
 #           forward on SDPA's memory-efficient kernel (--also sdpa,dflash_grouped_mm,compile: the same machine's A/B),
 #           then the command without cuDNN's attention (--variants BENCH_NO_CUDNN=1) in the time left
-#   PART 37: the gpt-oss-20b shape's command as auto runs it over 1M tokens beside its forward, then with every
+#   PART 37: part 35's GPU test, then the gpt-oss-20b shape's command as auto runs it over 1M tokens beside its forward, then with every
 #           first compile dynamic (BENCH_DYNAMIC_FIRST: part 25's 8 flex compilations of ~2.6 s)
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
@@ -355,6 +355,7 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
     --also "sdpa,dflash_grouped_mm,compile" --variants "BENCH_NO_CUDNN=1"
   ;;
 37)
+  gpu_tests 100 tests/test_kernels.py -k "on_cuda_the_fastest and (deepseek_v3 or qwen3_moe)"
   fk fk37_gptoss "$(left)" gpt_oss_20b --work /tmp/fk37 --tokens 1000000 --compile-layers auto \
     --variants "BENCH_DYNAMIC_FIRST=1"
   ;;

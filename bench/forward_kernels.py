@@ -28,10 +28,12 @@ best forward, and the goals (MoE >= 35% MFU, dense >= 55%, the command >= 0.95 o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -203,9 +205,19 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
         row["mfu"] = round(rate / peak, 4) if peak else None
         out.append(row)
         print(json.dumps(row), flush=True)
-    del runner, model
+    # The variants run the command again on this GPU: this process must give its target back first (on 2026-12-06
+    # a variant found 45.7 of 80 GB free with the gpt-oss-20b shape's 42 GB still held here, and streamed its
+    # weights from the host). torch.compile's caches hold the compiled layers, and through them the weights.
+    gone = weakref.ref(model)
+    del runner, model, packed
+    torch._dynamo.reset()
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        print(json.dumps({"forward_model_freed": gone() is None,
+                          "gpu_bytes_still_allocated": torch.cuda.memory_allocated(device)}), flush=True)
+    elif gone() is not None:
+        print(json.dumps({"forward_model_freed": False}), flush=True)
     return out
 
 

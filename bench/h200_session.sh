@@ -103,6 +103,9 @@
 #           then the command without cuDNN's attention (--variants BENCH_NO_CUDNN=1) in the time left
 #   PART 37: part 35's GPU test, then the gpt-oss-20b shape's command as auto runs it over 1M tokens beside its forward, then with every
 #           first compile dynamic (BENCH_DYNAMIC_FIRST: part 25's 8 flex compilations of ~2.6 s)
+#   PART 38: the gpt-oss-20b shape's command as auto runs it over 1M tokens, a batch of one row run as two (part 37:
+#           flex compiled again for its second batch, one row, 14 s), beside its forward, then the command as before
+#           (BENCH_ONE_ROW=1) and with every first compile dynamic (BENCH_DYNAMIC_FIRST=1) in the time left
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -358,6 +361,10 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   gpu_tests 100 tests/test_kernels.py -k "on_cuda_the_fastest and (deepseek_v3 or qwen3_moe)"
   fk fk37_gptoss "$(left)" gpt_oss_20b --work /tmp/fk37 --tokens 1000000 --compile-layers auto \
     --variants "BENCH_DYNAMIC_FIRST=1"
+  ;;
+38)
+  fk fk38_gptoss "$(left)" gpt_oss_20b --work /tmp/fk37 --tokens 1000000 --compile-layers auto \
+    --variants "BENCH_ONE_ROW=1;BENCH_DYNAMIC_FIRST=1"
   ;;
 esac
 date -u >> "$OUT/gpu.txt"

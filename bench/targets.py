@@ -150,6 +150,11 @@ def child(argv: list[str]) -> None:
         import dflash.targets.kernels as kernels
 
         kernels.warm_forward = lambda text, shape: None
+    if os.environ.get("BENCH_ONE_ROW") == "1":  # a --variants probe: a batch of one row on flex attention runs as
+        # one row, as before targets/runner.py ran it as two (torch.compile compiled flex again for a size of 1)
+        from dflash.targets.runner import TargetRunner
+
+        TargetRunner.one_row_as_two = False
     if os.environ.get("BENCH_NO_CUDNN") == "1":  # a --variants probe: the command as before targets/attention.py
         # (SDPA's flash or memory-efficient kernel for full attention), on the same machine
         import dflash.targets.attention as attention

@@ -33,6 +33,10 @@ class TargetRunner:
 
     # FSDP2 (targets/sharded.py) gathers weights in hooks that inference mode breaks: its runner takes no_grad.
     grad_mode = staticmethod(torch.inference_mode)
+    # Where the attention is flex, a batch of one row runs as two (_hidden); bench/targets.py's BENCH_ONE_ROW=1 turns
+    # it off for an A/B on the same machine.
+    one_row_as_two = True
+    _twice_fails = 1 << 62  # the shortest row that ran out of memory twice (_hidden)
 
     def __init__(self, model: Any, layer_ids: list[int], *, check: bool = True, check_length: int = 4096,
                  cudnn_attention: bool = False, choose_kernels: bool = True,
@@ -123,6 +127,25 @@ class TargetRunner:
             return self._hidden(input_ids)
 
     def _hidden(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        rows = input_ids.shape[0]
+        length = input_ids.shape[1]
+        if (rows == 1 and self.one_row_as_two and self.kernels.attention == "flex_attention"
+                and length < self._twice_fails):
+            # A batch of one row runs as two (the row twice; rows never see each other): torch.compile specialises
+            # a size of 1, so flex attention and its block masks compiled again for it, 14 s of a 1M-token run of
+            # the gpt-oss-20b shape on one H100 (2026-12-06), against about 0.1 s for the row's second copy. A row
+            # too long to run twice runs once (and compiles once), as before, and so do rows as long from then on.
+            try:
+                return [t[:1] for t in self._forward(input_ids.expand(2, -1))]
+            except torch.OutOfMemoryError:
+                self._twice_fails = length
+                if input_ids.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                log.info("a row of %s tokens did not fit in memory twice; rows as long run once (flex attention "
+                         "compiles once more, for a batch of one row)", f"{length:,}")
+        return self._forward(input_ids)
+
+    def _forward(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
         self._taken.clear()
         with self.grad_mode(), attention_backends(input_ids.device, self.cudnn_attention):
             self.text(input_ids=input_ids, use_cache=False)

@@ -571,3 +571,71 @@ def test_compile_layers_auto_compiles_long_gpu_runs_only(caplog):
     assert compile_layers(auto, "cuda:1", COMPILE_MIN_TOKENS) == "auto"
     assert compile_layers(SimpleNamespace(compile_layers="on"), "cpu", 0) == "on"
     assert compile_layers(SimpleNamespace(compile_layers="off"), "cuda:0", 10**12) == "off"
+
+
+@pytest.mark.internals  # torch.compile's specialisation of a size of 1, through transformers' compiled flex attention
+def test_a_batch_of_one_row_on_flex_runs_as_two_and_compiles_nothing_new(tiny_target):  # noqa: F811
+    """torch.compile specialises a size of 1, so a batch of one row compiled flex attention and its block mask again
+    (14 s of a 1M-token gpt-oss-20b-shaped run on one H100): the runner runs such a batch as the row twice, which
+    the graphs compiled for larger batches take, and returns the row's features alone, those of the eager forward."""
+    from torch._dynamo.utils import counters
+
+    from dflash.targets.runner import TargetRunner
+
+    gen = torch.Generator().manual_seed(5)
+    model = _load(tiny_target("qwen3"))
+    row = torch.randint(0, 200, (1, 70), generator=gen)
+    runner = TargetRunner(model, [1, 3], check=False)
+    with torch.inference_mode():
+        want = runner.hidden(row)  # the model's own attention (eager)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        kernels.apply(model, Kernels("flex_attention"))
+        runner.kernels = kernels.current(model)
+        assert runner.kernels.attention == "flex_attention"
+        for shape in ((2, 48), (3, 64)):  # compiled static, then again with dynamic sizes, as a run's first batches
+            runner.hidden(torch.randint(0, 200, shape, generator=gen))
+        graphs = counters["stats"]["unique_graphs"]
+        got = runner.hidden(row)
+        assert counters["stats"]["unique_graphs"] == graphs, "a batch of one row compiled flex attention again"
+        assert [g.shape[0] for g in got] == [1, 1]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_row_that_does_not_fit_twice_runs_once_and_so_do_rows_as_long(tiny_target, caplog):  # noqa: F811
+    """A long row alone may fit where two copies do not: the doubled batch's out-of-memory error (raised here by the
+    first decoder layer for a batch of two rows, as a GPU would; a CPU has no such limit) leaves that row, and rows
+    as long after it, to run once, with their features those of the forward; shorter rows still run twice."""
+    from dflash.targets.runner import TargetRunner
+
+    gen = torch.Generator().manual_seed(6)
+    model = _load(tiny_target("qwen3"))
+    runner = TargetRunner(model, [1, 3], check=False)
+    rows = {n: torch.randint(0, 200, (1, n), generator=gen) for n in (40, 70, 80)}
+    with torch.inference_mode():
+        want = {n: runner.hidden(ids) for n, ids in rows.items()}  # the model's own attention: rows run once
+    runner.kernels = Kernels("flex_attention")  # what the doubling keys on; the forward itself stays eager here
+    seen: list[tuple[int, int]] = []
+
+    def device_limit(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        seen.append(tuple(hidden.shape[:2]))
+        if hidden.shape[0] == 2 and hidden.shape[1] >= 70:
+            raise torch.OutOfMemoryError("CUDA out of memory (the test's device: two rows of 70 tokens)")
+
+    handle = runner.text.layers[0].register_forward_pre_hook(device_limit, with_kwargs=True)
+    try:
+        with caplog.at_level(logging.INFO, logger="dflash.targets.runner"):
+            got = {n: runner.hidden(rows[n]) for n in (40, 70, 80, 40)}
+    finally:
+        handle.remove()
+    assert seen == [(2, 40), (2, 70), (1, 70), (1, 80), (2, 40)]
+    assert "a row of 70 tokens did not fit in memory twice" in caplog.text
+    for n, feats in got.items():
+        assert [f.shape[0] for f in feats] == [1, 1]
+        for g, w in zip(feats, want[n]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

@@ -104,7 +104,7 @@
 #   PART 37: part 35's GPU test, then the gpt-oss-20b shape's command as auto runs it over 1M tokens beside its forward, then with every
 #           first compile dynamic (BENCH_DYNAMIC_FIRST: part 25's 8 flex compilations of ~2.6 s)
 #   PART 38: the gpt-oss-20b shape's command as auto runs it over 1M tokens, a batch of one row run as two (part 37:
-#           flex compiled again for its second batch, one row, 14 s), beside its forward, then the command as before
+#           flex compiled again for its first batch of one row: the eleventh session's recompile log), beside its forward, then the command as before
 #           (BENCH_ONE_ROW=1) and with every first compile dynamic (BENCH_DYNAMIC_FIRST=1) in the time left
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu

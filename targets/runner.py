@@ -132,9 +132,10 @@ class TargetRunner:
         if (rows == 1 and self.one_row_as_two and self.kernels.attention == "flex_attention"
                 and length < self._twice_fails):
             # A batch of one row runs as two (the row twice; rows never see each other): torch.compile specialises
-            # a size of 1, so flex attention and its block masks compiled again for it, 14 s of a 1M-token run of
-            # the gpt-oss-20b shape on one H100 (2026-12-06), against about 0.1 s for the row's second copy. A row
-            # too long to run twice runs once (and compiles once), as before, and so do rows as long from then on.
+            # a size of 1, so flex attention and its block masks compiled again for it (seconds a mask kind on one
+            # H100: the gpt-oss-20b shape's recompile log, bench/RESULTS.md), where the row's second copy costs one
+            # row's forward. A row too long to run twice runs once (and compiles once), as before, and so do rows
+            # as long from then on.
             try:
                 return [t[:1] for t in self._forward(input_ids.expand(2, -1))]
             except torch.OutOfMemoryError:

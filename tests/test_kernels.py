@@ -576,8 +576,9 @@ def test_compile_layers_auto_compiles_long_gpu_runs_only(caplog):
 @pytest.mark.internals  # torch.compile's specialisation of a size of 1, through transformers' compiled flex attention
 def test_a_batch_of_one_row_on_flex_runs_as_two_and_compiles_nothing_new(tiny_target):  # noqa: F811
     """torch.compile specialises a size of 1, so a batch of one row compiled flex attention and its block mask again
-    (14 s of a 1M-token gpt-oss-20b-shaped run on one H100): the runner runs such a batch as the row twice, which
-    the graphs compiled for larger batches take, and returns the row's features alone, those of the eager forward."""
+    (a 1M-token gpt-oss-20b-shaped run on one H100 did so for both its mask kinds): the runner runs such a batch as
+    the row twice, which the graphs compiled for larger batches take, and returns the row's features alone, those
+    of the eager forward."""
     from torch._dynamo.utils import counters
 
     from dflash.targets.runner import TargetRunner

@@ -106,6 +106,11 @@
 #   PART 38: the gpt-oss-20b shape's command as auto runs it over 1M tokens, a batch of one row run as two (part 37:
 #           flex compiled again for its first batch of one row: the eleventh session's recompile log), beside its forward, then the command as before
 #           (BENCH_ONE_ROW=1) and with every first compile dynamic (BENCH_DYNAMIC_FIRST=1) in the time left
+#   PART 39: the next call for issue 44 in priority order: the bf16 matrix rate (8192^3, the machine's own ceiling),
+#           bench/flex_compiles.py on the tiny gpt_oss (flex with sinks on CUDA: what a batch of one row compiled, the
+#           row twice against the row alone, each with empty caches), `pytest -m gpu tests/test_kernels.py -k
+#           on_cuda_the_fastest` (the one-row path through flex with sinks; cudnn_padded for MLA's unequal head dims),
+#           then part 38 in the time left
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -361,6 +366,19 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   gpu_tests 100 tests/test_kernels.py -k "on_cuda_the_fastest and (deepseek_v3 or qwen3_moe)"
   fk fk37_gptoss "$(left)" gpt_oss_20b --work /tmp/fk37 --tokens 1000000 --compile-layers auto \
     --variants "BENCH_DYNAMIC_FIRST=1"
+  ;;
+39)
+  python3 -c "import torch; a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16); b = torch.randn_like(a)
+for _ in range(3): a @ b
+e = [torch.cuda.Event(enable_timing=True) for _ in range(2)]; torch.cuda.synchronize(); e[0].record()
+for _ in range(20): a @ b
+e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 * 8192**3 / e[0].elapsed_time(e[1]) / 1e9, 1), 'TFLOP/s')" \
+    >> "$OUT/gpu.txt" 2>&1
+  timeout 150 python3 bench/flex_compiles.py --arch gpt_oss --device cuda --out "$OUT/flex_compiles.json" \
+    > "$OUT/flex_compiles.txt" 2>&1; echo "flex_compiles exit $?" >> "$OUT/gpu.txt"
+  gpu_tests 120 tests/test_kernels.py -k "on_cuda_the_fastest"
+  fk fk38_gptoss "$(left)" gpt_oss_20b --work /tmp/fk37 --tokens 1000000 --compile-layers auto \
+    --variants "BENCH_ONE_ROW=1;BENCH_DYNAMIC_FIRST=1"
   ;;
 38)
   fk fk38_gptoss "$(left)" gpt_oss_20b --work /tmp/fk37 --tokens 1000000 --compile-layers auto \

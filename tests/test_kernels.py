@@ -607,10 +607,15 @@ def test_a_batch_of_one_row_on_flex_runs_as_two_and_compiles_nothing_new(tiny_ta
         torch._dynamo.reset()
 
 
-def test_a_row_that_does_not_fit_twice_runs_once_and_so_do_rows_as_long(tiny_target, caplog):  # noqa: F811
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes"),
+])
+def test_a_row_that_does_not_fit_twice_runs_once_and_so_do_rows_as_long(error, tiny_target, caplog):  # noqa: F811
     """A long row alone may fit where two copies do not: the doubled batch's out-of-memory error (raised here by the
-    first decoder layer for a batch of two rows, as a GPU would; a CPU has no such limit) leaves that row, and rows
-    as long after it, to run once, with their features those of the forward; shorter rows still run twice."""
+    first decoder layer for a batch of two rows, as a GPU's or the CPU allocator's would be; this box has memory
+    enough) leaves that row, and rows as long after it, to run once, with their features those of the forward;
+    shorter rows still run twice."""
     from dflash.targets.runner import TargetRunner
 
     gen = torch.Generator().manual_seed(6)
@@ -626,7 +631,7 @@ def test_a_row_that_does_not_fit_twice_runs_once_and_so_do_rows_as_long(tiny_tar
         hidden = args[0] if args else kwargs["hidden_states"]
         seen.append(tuple(hidden.shape[:2]))
         if hidden.shape[0] == 2 and hidden.shape[1] >= 70:
-            raise torch.OutOfMemoryError("CUDA out of memory (the test's device: two rows of 70 tokens)")
+            raise error
 
     handle = runner.text.layers[0].register_forward_pre_hook(device_limit, with_kwargs=True)
     try:
@@ -640,3 +645,19 @@ def test_a_row_that_does_not_fit_twice_runs_once_and_so_do_rows_as_long(tiny_tar
         assert [f.shape[0] for f in feats] == [1, 1]
         for g, w in zip(feats, want[n]):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_doubled_row_that_fails_otherwise_is_not_taken_for_memory(tiny_target):  # noqa: F811
+    """Only an allocation that failed sends a row to run once: any other error of the doubled batch is the run's."""
+    from dflash.targets.runner import TargetRunner
+
+    runner = TargetRunner(_load(tiny_target("qwen3")), [1, 3], check=False)
+    runner.kernels = Kernels("flex_attention")
+
+    def broken(module, args, kwargs):
+        raise ValueError("a kernel's own failure")
+
+    runner.text.layers[0].register_forward_pre_hook(broken, with_kwargs=True)
+    with pytest.raises(ValueError, match="a kernel's own failure"):
+        runner.hidden(torch.randint(0, 200, (1, 40)))
+    assert runner._twice_fails > 40

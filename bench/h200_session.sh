@@ -111,6 +111,10 @@
 #           row twice against the row alone, each with empty caches), `pytest -m gpu tests/test_kernels.py -k
 #           on_cuda_the_fastest` (the one-row path through flex with sinks; cudnn_padded for MLA's unequal head dims),
 #           then part 38 in the time left
+#   PART 40: the gpt-oss-20b shape with its decoder layers compiled around flex (`--compile-layers on`; auto leaves
+#           them eager, never measured warm: part 18's 100K tokens were all compilation), the command over 1M tokens
+#           beside its compiled forward and that forward with extract's device work: its forward at 25.3% eager is
+#           the MoE goal's farthest shape
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -380,12 +384,15 @@ e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 *
   fk fk38_gptoss "$(left)" gpt_oss_20b --work /tmp/fk37 --tokens 1000000 --compile-layers auto \
     --variants "BENCH_ONE_ROW=1;BENCH_DYNAMIC_FIRST=1"
   ;;
+40)
+  fk fk40_gptoss "$(left)" gpt_oss_20b --work /tmp/fk40 --tokens 1000000 --compile-layers on --features
+  ;;
 38)
   fk fk38_gptoss "$(left)" gpt_oss_20b --work /tmp/fk37 --tokens 1000000 --compile-layers auto \
     --variants "BENCH_ONE_ROW=1;BENCH_DYNAMIC_FIRST=1"
   ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk34 /tmp/fk36 /tmp/fk37 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
+for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk34 /tmp/fk36 /tmp/fk37 /tmp/fk40 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
            -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

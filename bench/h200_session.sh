@@ -385,6 +385,7 @@ e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 *
     --variants "BENCH_ONE_ROW=1;BENCH_DYNAMIC_FIRST=1"
   ;;
 40)
+  export TORCH_LOGS=recompiles  # into the command's log: which batches compiled the layers around flex again
   fk fk40_gptoss "$(left)" gpt_oss_20b --work /tmp/fk40 --tokens 1000000 --compile-layers on --features
   ;;
 38)

@@ -1,9 +1,9 @@
 """How often flex attention compiles over a run's batches (issue 44): the batch shapes extract packs for the bench's
 1M-token conversations (bench/extract.py's lengths, 193-4,001 tokens; extract/plan.py's packing, a shard at a
 time), run in order through the truncated runner of a tiny target on flex attention, after the start-up
-self-check's 2 rows, once as the runner runs a batch of one row today (the row twice) and once as before (the row
-alone), each in a new process with empty compiler caches: per arm the batches that compiled, the graphs and the seconds they
-took, and the whole pass.
+self-check's 2 rows, once as the runner runs a batch of one row today (the row twice, while the copies cost less
+than the runner's rent) and once as before (the row alone), each in a new process with empty compiler caches: per
+arm the batches that compiled, the graphs and the seconds they took, the rent paid, and the whole pass.
 
     python bench/flex_compiles.py [--arch gemma3_text] [--device cpu|cuda] [--tokens 1000000]
 
@@ -46,7 +46,7 @@ def batch_shapes(tokens: int, shards: int, batch_tokens: int) -> list[tuple[int,
     return shapes
 
 
-def run_arm(path: Path, device, shapes: list[tuple[int, int]], one_row_as_two: bool) -> dict:
+def run_arm(path: Path, device, shapes: list[tuple[int, int]], one_row_as_two: bool, batch_tokens: int) -> dict:
     """Return what flex compiled over the batches, the runner as the arm says."""
     import torch
     from torch._dynamo.utils import counters
@@ -58,7 +58,7 @@ def run_arm(path: Path, device, shapes: list[tuple[int, int]], one_row_as_two: b
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_for_features(path, device, dtype)
-    runner = TargetRunner(model, [1, 3], check=False)
+    runner = TargetRunner(model, [1, 3], check=False, warm_tokens=batch_tokens)  # the run's batch size, as extract's
     runner.one_row_as_two = one_row_as_two
     kernels.apply(model, Kernels("flex_attention", runner.kernels.experts))
     runner.kernels = kernels.current(model)
@@ -81,7 +81,8 @@ def run_arm(path: Path, device, shapes: list[tuple[int, int]], one_row_as_two: b
         if counters["stats"]["unique_graphs"] != before:
             compiled.append({"batch": i, "shape": list(shape), "graphs": counters["stats"]["unique_graphs"] - before,
                              "s": round(s, 2)})
-    return {"one_row_as_two": one_row_as_two, "start_up_graphs": graphs0, "start_up_s": round(check_s, 2),
+    return {"one_row_as_two": one_row_as_two, "rent_paid_s": round(runner._paid(), 3), "start_up_graphs": graphs0,
+            "start_up_s": round(check_s, 2),
             "run_graphs": counters["stats"]["unique_graphs"] - graphs0, "compiling_batches": compiled,
             "compiling_s": round(sum(c["s"] for c in compiled), 2), "run_s": round(time.perf_counter() - t0, 2)}
 
@@ -105,7 +106,8 @@ def main() -> None:
     if args.arm is not None:
         with tempfile.TemporaryDirectory() as d:
             path = build_tiny_target(Path(d) / args.arch, args.arch, num_layers=6, hidden_size=32)
-            print("ARM " + json.dumps(run_arm(path, torch.device(args.device), shapes, args.arm == "two")), flush=True)
+            print("ARM " + json.dumps(run_arm(path, torch.device(args.device), shapes, args.arm == "two",
+                                                 args.batch_tokens)), flush=True)
         return
     print(f"{len(shapes)} batches, {len(set(shapes))} shapes, {sum(1 for r, _ in shapes if r == 1)} of one row",
           flush=True)

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 __all__ = ["Kernels", "TOLERANCE", "has_experts", "current", "attention_order", "experts_order", "candidates", "apply",
            "model_states", "eager_float32_states", "captured", "relative_error", "choose", "attention_backends",
-           "accepts", "compile_layers", "first_line"]
+           "accepts", "compile_layers", "graphs_compiled", "first_line"]
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,13 @@ def compile_layers(layers: Any, on: bool = True) -> None:
         if on:
             _drop_output_capture(layer)
             layer.compile(dynamic=True)
+
+
+def graphs_compiled() -> int:
+    """Return how many graphs torch.compile has compiled in this process so far (its own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 # The module of transformers' output-capturing hooks (output_hidden_states, output_attentions, output_router_logits)

@@ -3,6 +3,7 @@ DFlash features."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -19,6 +20,11 @@ __all__ = ["TargetRunner", "pad_batch"]
 
 log = logging.getLogger(__name__)
 
+# Seconds of forward the copies of rows run twice may cost before a row runs alone (_hidden): about one of the
+# compilations a size of 1 asks for (~2.6 s each on one H100, one for each mask kind: bench/RESULTS.md), so a long
+# run pays at most about that before it compiles, and a short one never compiles for it.
+ONE_ROW_RENT_S = 3.0
+
 
 class TargetRunner:
     """Runs the target's own text-model forward with its decoder layers cut after the deepest captured one (no later
@@ -34,10 +40,9 @@ class TargetRunner:
 
     # FSDP2 (targets/sharded.py) gathers weights in hooks that inference mode breaks: its runner takes no_grad.
     grad_mode = staticmethod(torch.inference_mode)
-    # Where the attention is flex, a batch of one row runs as two (_hidden); bench/targets.py's BENCH_ONE_ROW=1 turns
-    # it off for an A/B on the same machine.
+    # Where the attention is flex, a batch of one row runs as two while the copies have cost less than flex's
+    # compilation for a size of 1 would (_hidden); bench/targets.py's BENCH_ONE_ROW=1 turns it off for an A/B.
     one_row_as_two = True
-    _twice_fails = 1 << 62  # the shortest row that ran out of memory twice (_hidden)
 
     def __init__(self, model: Any, layer_ids: list[int], *, check: bool = True, check_length: int = 4096,
                  cudnn_attention: bool = False, choose_kernels: bool = True,
@@ -60,6 +65,9 @@ class TargetRunner:
         # warm_tokens: the run's batch size; compiled layers run first on a batch of about that many tokens, rows as
         # long as the check's length allows (kernels.warm_forward), then on one row of that length; rows no longer
         # than the check's shortest (96 tokens) need no batch of their own
+        # A batch of one row on flex runs as two rows of at most warm_tokens tokens (0: never) while the copies'
+        # forward time stays under ONE_ROW_RENT_S (_hidden)
+        self._twice_max, self._rent_s, self._rents = warm_tokens // 2, 0.0, []
         self.kernels = kernels.current(model)
         self._compile = {True: "on", False: "off"}.get(compile_layers, compile_layers)  # type: ignore[call-overload]
         length = min(check_length, warm_tokens // 2)
@@ -115,11 +123,9 @@ class TargetRunner:
         layers passed the same check. Every later commit record names the kernels its shard ran in."""
         try:
             return self._hidden(input_ids)
-        except torch.OutOfMemoryError:
-            raise  # the pipeline's to split, not a compiler's failure
         except Exception as e:  # noqa: BLE001 - only where the layers are compiled: the eager forward decides
-            if not self.kernels.compiled:
-                raise
+            if is_out_of_memory(e) or not self.kernels.compiled:
+                raise  # an allocation that failed is the pipeline's to split, not a compiler's failure
             log.warning("the compiled decoder layers failed on a batch of %d x %d tokens (%s: %s); they run eager "
                         "from here on (--compile-layers off starts that way)", *input_ids.shape, type(e).__name__,
                         kernels.first_line(e))
@@ -128,26 +134,52 @@ class TargetRunner:
             return self._hidden(input_ids)
 
     def _hidden(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
-        rows = input_ids.shape[0]
-        length = input_ids.shape[1]
-        if (rows == 1 and self.one_row_as_two and self.kernels.attention == "flex_attention"
-                and length < self._twice_fails):
-            # A batch of one row runs as two (the row twice; rows never see each other): torch.compile specialises
-            # a size of 1, so flex attention and its block masks compiled again for it (seconds a mask kind on one
-            # H100: the gpt-oss-20b shape's recompile log, bench/RESULTS.md), where the row's second copy costs one
-            # row's forward. A row too long to run twice runs once (and compiles once), as before, and so do rows
-            # as long from then on.
-            try:
-                return [t[:1] for t in self._forward(input_ids.expand(2, -1))]
-            except Exception as e:  # noqa: BLE001 - the pipeline's own test of an allocation that failed
-                if not is_out_of_memory(e):
-                    raise
-                self._twice_fails = length
-                if input_ids.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                log.info("a row of %s tokens did not fit in memory twice; rows as long run once (flex attention "
-                         "compiles once more, for a batch of one row)", f"{length:,}")
+        rows, length = input_ids.shape
+        if rows == 1 and self.kernels.attention == "flex_attention" and self._twice_max:
+            # torch.compile specialises a size of 1, so a run's first batch of one row compiled flex attention and
+            # its block masks again for every mask kind (the gpt-oss-20b shape's recompile log on one H100,
+            # bench/RESULTS.md). Such a batch runs as the row twice (rows never see each other), which the graphs
+            # of larger batches take, while that costs less than the compilation: as long as the row fits a
+            # batch twice and the copies' forward time comes to under ONE_ROW_RENT_S in all. Then the row runs
+            # alone, flex compiles once for a size of 1, and every later row of one takes that graph.
+            if self.one_row_as_two and length <= self._twice_max and self._paid() < ONE_ROW_RENT_S:
+                try:
+                    return [t[:1] for t in self._timed(input_ids.expand(2, -1))]
+                except Exception as e:  # noqa: BLE001 - the pipeline's own test of an allocation that failed
+                    if not is_out_of_memory(e):
+                        raise
+                    if input_ids.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    log.info("a row of %s tokens did not fit in memory twice; it runs alone, as rows of one do from "
+                             "here on (flex attention compiles once more, for a batch of one row)", f"{length:,}")
+            self._twice_max = 0
         return self._forward(input_ids)
+
+    def _timed(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Run the forward of a doubled row, counting half its time towards the copies' rent (_paid), unless torch
+        compiled during it (a first batch's dynamic shapes, which any batch would have compiled: not the copy's)."""
+        cuda = input_ids.device.type == "cuda"
+        graphs = kernels.graphs_compiled()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        out = self._forward(input_ids)
+        if kernels.graphs_compiled() != graphs:
+            return out
+        if cuda:
+            end.record()
+            self._rents.append((start, end))
+        else:
+            self._rent_s += (time.perf_counter() - t0) / 2
+        return out
+
+    def _paid(self) -> float:
+        """Return the seconds the doubled rows' copies have cost so far (CUDA's forwards once they have run)."""
+        while self._rents and self._rents[0][1].query():
+            start, end = self._rents.pop(0)
+            self._rent_s += start.elapsed_time(end) / 2e3
+        return self._rent_s
 
     def _forward(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
         self._taken.clear()

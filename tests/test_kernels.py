@@ -578,68 +578,75 @@ def test_a_batch_of_one_row_on_flex_runs_as_two_and_compiles_nothing_new(tiny_ta
     """torch.compile specialises a size of 1, so a batch of one row compiled flex attention and its block mask again
     (a 1M-token gpt-oss-20b-shaped run on one H100 did so for both its mask kinds): the runner runs such a batch as
     the row twice, which the graphs compiled for larger batches take, and returns the row's features alone, those
-    of the eager forward."""
-    from torch._dynamo.utils import counters
-
+    of the eager forward; the same row run alone (the control) compiles."""
     from dflash.targets.runner import TargetRunner
 
     gen = torch.Generator().manual_seed(5)
     model = _load(tiny_target("qwen3"))
     row = torch.randint(0, 200, (1, 70), generator=gen)
-    runner = TargetRunner(model, [1, 3], check=False)
+    runner = TargetRunner(model, [1, 3], check=False, warm_tokens=400)
     with torch.inference_mode():
         want = runner.hidden(row)  # the model's own attention (eager)
     torch._dynamo.reset()
-    counters.clear()
     try:
         kernels.apply(model, Kernels("flex_attention"))
         runner.kernels = kernels.current(model)
         assert runner.kernels.attention == "flex_attention"
         for shape in ((2, 48), (3, 64)):  # compiled static, then again with dynamic sizes, as a run's first batches
             runner.hidden(torch.randint(0, 200, shape, generator=gen))
-        graphs = counters["stats"]["unique_graphs"]
+        graphs = kernels.graphs_compiled()
+        assert graphs > 0
         got = runner.hidden(row)
-        assert counters["stats"]["unique_graphs"] == graphs, "a batch of one row compiled flex attention again"
+        assert kernels.graphs_compiled() == graphs, "a batch of one row compiled flex attention again"
         assert [g.shape[0] for g in got] == [1, 1]
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        runner.one_row_as_two = False
+        runner.hidden(row)
+        assert kernels.graphs_compiled() > graphs, "the control: the row alone compiles for a size of 1"
     finally:
         torch._dynamo.reset()
+
+
+class _Rows:
+    """A forward pre-hook on the first decoder layer recording each forward's (rows, length), and raising `error`
+    for a batch of two rows of `limit` tokens or more, as a device that holds no more would."""
+
+    def __init__(self, runner, error: BaseException | None = None, limit: int = 1 << 30) -> None:
+        self.seen: list[tuple[int, int]] = []
+        self.error, self.limit = error, limit
+        self.handle = runner.text.layers[0].register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        self.seen.append(tuple(hidden.shape[:2]))
+        if self.error is not None and hidden.shape[0] == 2 and hidden.shape[1] >= self.limit:
+            raise self.error
 
 
 @pytest.mark.parametrize("error", [
     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
     RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes"),
 ])
-def test_a_row_that_does_not_fit_twice_runs_once_and_so_do_rows_as_long(error, tiny_target, caplog):  # noqa: F811
+def test_a_row_that_does_not_fit_twice_runs_alone_and_so_do_later_rows(error, tiny_target, caplog):  # noqa: F811
     """A long row alone may fit where two copies do not: the doubled batch's out-of-memory error (raised here by the
     first decoder layer for a batch of two rows, as a GPU's or the CPU allocator's would be; this box has memory
-    enough) leaves that row, and rows as long after it, to run once, with their features those of the forward;
-    shorter rows still run twice."""
+    enough) leaves that row to run alone, with its features those of the forward; flex has then compiled for a size
+    of 1, so later rows of one run alone too."""
     from dflash.targets.runner import TargetRunner
 
     gen = torch.Generator().manual_seed(6)
     model = _load(tiny_target("qwen3"))
-    runner = TargetRunner(model, [1, 3], check=False)
+    runner = TargetRunner(model, [1, 3], check=False, warm_tokens=400)
     rows = {n: torch.randint(0, 200, (1, n), generator=gen) for n in (40, 70, 80)}
     with torch.inference_mode():
         want = {n: runner.hidden(ids) for n, ids in rows.items()}  # the model's own attention: rows run once
     runner.kernels = Kernels("flex_attention")  # what the doubling keys on; the forward itself stays eager here
-    seen: list[tuple[int, int]] = []
-
-    def device_limit(module, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        seen.append(tuple(hidden.shape[:2]))
-        if hidden.shape[0] == 2 and hidden.shape[1] >= 70:
-            raise error
-
-    handle = runner.text.layers[0].register_forward_pre_hook(device_limit, with_kwargs=True)
-    try:
-        with caplog.at_level(logging.INFO, logger="dflash.targets.runner"):
-            got = {n: runner.hidden(rows[n]) for n in (40, 70, 80, 40)}
-    finally:
-        handle.remove()
-    assert seen == [(2, 40), (2, 70), (1, 70), (1, 80), (2, 40)]
+    hook = _Rows(runner, error, limit=70)
+    with caplog.at_level(logging.INFO, logger="dflash.targets.runner"):
+        got = {n: runner.hidden(rows[n]) for n in (40, 70, 80, 40)}
+    hook.handle.remove()
+    assert hook.seen == [(2, 40), (2, 70), (1, 70), (1, 80), (1, 40)]
     assert "a row of 70 tokens did not fit in memory twice" in caplog.text
     for n, feats in got.items():
         assert [f.shape[0] for f in feats] == [1, 1]
@@ -647,17 +654,63 @@ def test_a_row_that_does_not_fit_twice_runs_once_and_so_do_rows_as_long(error, t
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
-def test_a_doubled_row_that_fails_otherwise_is_not_taken_for_memory(tiny_target):  # noqa: F811
-    """Only an allocation that failed sends a row to run once: any other error of the doubled batch is the run's."""
+def test_rows_of_one_run_twice_only_while_cheaper_than_the_compilation(tiny_target, monkeypatch):  # noqa: F811
+    """A row runs twice only where two copies fit a batch of the run (warm_tokens; none without one) and while the
+    copies' forward time is under the runner's rent; after that (or after a row too long to run twice) every row
+    of one runs alone: flex compiles once for a size of 1, as before, and a long run pays at most the rent."""
+    import dflash.targets.runner as runner_module
     from dflash.targets.runner import TargetRunner
 
-    runner = TargetRunner(_load(tiny_target("qwen3")), [1, 3], check=False)
+    model = _load(tiny_target("qwen3"))
+
+    def rows_seen(warm_tokens: int, lengths: list[int]) -> list[tuple[int, int]]:
+        runner = TargetRunner(model, [1, 3], check=False, warm_tokens=warm_tokens)
+        runner.kernels = Kernels("flex_attention")
+        hook = _Rows(runner)
+        for n in lengths:
+            runner.hidden(torch.randint(0, 200, (1, n)))
+        hook.handle.remove()
+        return hook.seen
+
+    assert rows_seen(0, [40, 40]) == [(1, 40), (1, 40)]  # no batch size known (the CPU's runs): never twice
+    assert rows_seen(100, [60, 40]) == [(1, 60), (1, 40)]  # 2 x 60 > 100: alone, and so is every later row
+    assert rows_seen(100, [40, 50, 30]) == [(2, 40), (2, 50), (2, 30)]  # the copies' cost is far under the rent
+    monkeypatch.setattr(runner_module, "ONE_ROW_RENT_S", 1e-9)  # the first copy pays it all
+    assert rows_seen(100, [40, 50, 30]) == [(2, 40), (1, 50), (1, 30)]
+
+
+@pytest.mark.internals  # torch.compile's counter of graphs (kernels.graphs_compiled)
+def test_a_doubled_row_that_compiled_counts_no_rent(tiny_target):  # noqa: F811
+    """A doubled row whose forward compiled (a run's first batch: flex's first graphs or its dynamic ones) pays no
+    rent for it, since any batch there would have compiled; a doubled row after that does."""
+    from dflash.targets.runner import TargetRunner
+
+    model = _load(tiny_target("qwen3"))
+    runner = TargetRunner(model, [1, 3], check=False, warm_tokens=400)
+    torch._dynamo.reset()
+    try:
+        kernels.apply(model, Kernels("flex_attention"))
+        runner.kernels = kernels.current(model)
+        graphs = kernels.graphs_compiled()
+        runner.hidden(torch.randint(0, 200, (1, 70)))
+        assert kernels.graphs_compiled() > graphs and runner._paid() == 0.0
+        runner.hidden(torch.randint(0, 200, (3, 64)))  # dynamic sizes from here on
+        graphs = kernels.graphs_compiled()
+        runner.hidden(torch.randint(0, 200, (1, 50)))
+        assert kernels.graphs_compiled() == graphs and runner._paid() > 0.0
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_doubled_row_that_fails_otherwise_is_not_taken_for_memory(tiny_target):  # noqa: F811
+    """Only an allocation that failed sends a row to run alone: any other error of the doubled batch is the run's."""
+    from dflash.targets.runner import TargetRunner
+
+    runner = TargetRunner(_load(tiny_target("qwen3")), [1, 3], check=False, warm_tokens=400)
     runner.kernels = Kernels("flex_attention")
-
-    def broken(module, args, kwargs):
-        raise ValueError("a kernel's own failure")
-
-    runner.text.layers[0].register_forward_pre_hook(broken, with_kwargs=True)
+    hook = _Rows(runner, ValueError("a kernel's own failure"), limit=0)
     with pytest.raises(ValueError, match="a kernel's own failure"):
         runner.hidden(torch.randint(0, 200, (1, 40)))
-    assert runner._twice_fails > 40
+    hook.handle.remove()
+    assert hook.seen == [(2, 40)]
+    assert runner._twice_max == 200  # still runs rows twice

@@ -115,6 +115,11 @@
 #           them eager, never measured warm: part 18's 100K tokens were all compilation), the command over 1M tokens
 #           beside its compiled forward and that forward with extract's device work: its forward at 25.3% eager is
 #           the MoE goal's farthest shape
+#   PART 41: part 39 reordered for a call that may be the session's only one (sixteenth session): the bf16 matrix
+#           rate, the one-row path's GPU test on the tiny gpt_oss alone, then the gpt-oss-20b shape's command as auto
+#           runs it over 1M tokens with torch's recompiles logged, beside its forward, then every first compile
+#           dynamic (BENCH_DYNAMIC_FIRST=1) and the row of one alone (BENCH_ONE_ROW=1) in the time left
+#   PART 42: part 40 (the gpt-oss-20b shape's layers compiled around flex, 1M tokens) after the one-row GPU test
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -384,6 +389,22 @@ e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 *
   fk fk38_gptoss "$(left)" gpt_oss_20b --work /tmp/fk37 --tokens 1000000 --compile-layers auto \
     --variants "BENCH_ONE_ROW=1;BENCH_DYNAMIC_FIRST=1"
   ;;
+41)
+  python3 -c "import torch; a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16); b = torch.randn_like(a)
+for _ in range(3): a @ b
+e = [torch.cuda.Event(enable_timing=True) for _ in range(2)]; torch.cuda.synchronize(); e[0].record()
+for _ in range(20): a @ b
+e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 * 8192**3 / e[0].elapsed_time(e[1]) / 1e9, 1), 'TFLOP/s')" \
+    >> "$OUT/gpu.txt" 2>&1
+  gpu_tests 90 tests/test_kernels.py -k "on_cuda_the_fastest and gpt_oss"
+  export TORCH_LOGS=recompiles
+  fk fk41_gptoss "$(left)" gpt_oss_20b --work /tmp/fk41 --tokens 1000000 --compile-layers auto \
+    --variants "BENCH_DYNAMIC_FIRST=1;BENCH_ONE_ROW=1"
+  ;;
+42)
+  export TORCH_LOGS=recompiles
+  fk fk42_gptoss "$(left)" gpt_oss_20b --work /tmp/fk42 --tokens 1000000 --compile-layers on --features
+  ;;
 40)
   export TORCH_LOGS=recompiles  # into the command's log: which batches compiled the layers around flex again
   fk fk40_gptoss "$(left)" gpt_oss_20b --work /tmp/fk40 --tokens 1000000 --compile-layers on --features
@@ -394,6 +415,6 @@ e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 *
   ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk34 /tmp/fk36 /tmp/fk37 /tmp/fk40 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
+for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk34 /tmp/fk36 /tmp/fk37 /tmp/fk40 /tmp/fk41 /tmp/fk42 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
            -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

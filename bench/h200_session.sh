@@ -117,8 +117,9 @@
 #           the MoE goal's farthest shape
 #   PART 41: part 39 reordered for a call that may be the session's only one (sixteenth session): the bf16 matrix
 #           rate, the one-row path's GPU test on the tiny gpt_oss alone, then the gpt-oss-20b shape's command as auto
-#           runs it over 1M tokens with torch's recompiles logged, beside its forward, then every first compile
-#           dynamic (BENCH_DYNAMIC_FIRST=1) and the row of one alone (BENCH_ONE_ROW=1) in the time left
+#           runs it over 1M tokens with torch's recompiles logged, beside its forward, then the row of one alone
+#           (BENCH_ONE_ROW=1: the A/B of the fifteenth session's change) and every first compile dynamic
+#           (BENCH_DYNAMIC_FIRST=1; on the CPU it compiles as many graphs as the default) in the time left
 #   PART 42: part 40 (the gpt-oss-20b shape's layers compiled around flex, 1M tokens) after the one-row GPU test
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
@@ -399,7 +400,7 @@ e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 *
   gpu_tests 90 tests/test_kernels.py -k "on_cuda_the_fastest and gpt_oss"
   export TORCH_LOGS=recompiles
   fk fk41_gptoss "$(left)" gpt_oss_20b --work /tmp/fk41 --tokens 1000000 --compile-layers auto \
-    --variants "BENCH_DYNAMIC_FIRST=1;BENCH_ONE_ROW=1"
+    --variants "BENCH_ONE_ROW=1;BENCH_DYNAMIC_FIRST=1"
   ;;
 42)
   export TORCH_LOGS=recompiles

@@ -121,6 +121,10 @@
 #           (BENCH_ONE_ROW=1: the A/B of the fifteenth session's change) and every first compile dynamic
 #           (BENCH_DYNAMIC_FIRST=1; on the CPU it compiles as many graphs as the default) in the time left
 #   PART 42: part 40 (the gpt-oss-20b shape's layers compiled around flex, 1M tokens) after the one-row GPU test
+#   PART 43: flex dynamic from its first call as landed (kernels.dynamic_first, after part 41's variant): its GPU test
+#           and the one-row one on the tiny gpt_oss, then the gpt-oss-20b command over 1M tokens on empty compiler
+#           caches of its own, beside its forward, then the command as before (BENCH_STATIC_FIRST=1) on empty caches
+#           of its own too: the A/B of the process's whole time, start-up and compilation included
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -406,6 +410,12 @@ e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 *
   export TORCH_LOGS=recompiles
   fk fk42_gptoss "$(left)" gpt_oss_20b --work /tmp/fk42 --tokens 1000000 --compile-layers on --features
   ;;
+43)
+  gpu_tests 150 tests/test_kernels.py -k "gpt_oss and (start_up_check or on_cuda_the_fastest)"
+  export TORCH_LOGS=recompiles TORCHINDUCTOR_CACHE_DIR=/tmp/cold1/inductor TRITON_CACHE_DIR=/tmp/cold1/triton
+  fk fk43_gptoss "$(left)" gpt_oss_20b --work /tmp/fk43 --tokens 1000000 --compile-layers auto \
+    --variants "BENCH_STATIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/cold2/inductor TRITON_CACHE_DIR=/tmp/cold2/triton"
+  ;;
 40)
   export TORCH_LOGS=recompiles  # into the command's log: which batches compiled the layers around flex again
   fk fk40_gptoss "$(left)" gpt_oss_20b --work /tmp/fk40 --tokens 1000000 --compile-layers on --features
@@ -416,6 +426,6 @@ e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 *
   ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk34 /tmp/fk36 /tmp/fk37 /tmp/fk40 /tmp/fk41 /tmp/fk42 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
+for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk34 /tmp/fk36 /tmp/fk37 /tmp/fk40 /tmp/fk41 /tmp/fk42 /tmp/fk43 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
            -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

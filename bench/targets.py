@@ -155,6 +155,11 @@ def child(argv: list[str]) -> None:
         from dflash.targets.runner import TargetRunner
 
         TargetRunner.one_row_as_two = False
+    if os.environ.get("BENCH_STATIC_FIRST") == "1":  # a --variants probe: flex's first graphs static, torch's
+        # default, as before kernels.dynamic_first (a second, dynamic round at the first batch of another shape)
+        import dflash.targets.kernels as kernels
+
+        kernels.dynamic_first = lambda device: False
     if os.environ.get("BENCH_NO_CUDNN") == "1":  # a --variants probe: the command as before targets/attention.py
         # (SDPA's flash or memory-efficient kernel for full attention), on the same machine
         import dflash.targets.attention as attention

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 __all__ = ["Kernels", "TOLERANCE", "has_experts", "current", "attention_order", "experts_order", "candidates", "apply",
            "model_states", "eager_float32_states", "captured", "relative_error", "choose", "attention_backends",
-           "accepts", "compile_layers", "graphs_compiled", "first_line"]
+           "accepts", "compile_layers", "graphs_compiled", "dynamic_first", "first_line"]
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,25 @@ def compile_layers(layers: Any, on: bool = True) -> None:
         if on:
             _drop_output_capture(layer)
             layer.compile(dynamic=True)
+
+
+def dynamic_first(device: Any) -> bool:
+    """On CUDA, make torch.compile take every size as symbolic from a function's first graph (dynamo's
+    assume_static_by_default off, for this process), and return whether it did; the CPU is left as it is.
+
+    transformers compiles flex attention and its block masks with torch's default, a first graph static at the
+    self-check's 2 rows and a second, dynamic, at the first batch of another shape: in a 1M-token gpt-oss-20b-shaped
+    command on one H100 that second round (both mask kinds' flex and block mask) took the run's first batch 21 s.
+    Dynamic from the first call, both are compiled at the self-check and every batch shape takes them: the same
+    command compiled nothing after its start-up and ran 40,306 tok/s first forward to last commit against 21,802
+    (bench/RESULTS.md, 2026-12-07). Only the first graph changes: compiled decoder layers are dynamic already. On the
+    CPU inductor's flex compiles again for the batch size either way (and compiled layers around it do not build)."""
+    if getattr(device, "type", device) != "cuda":
+        return False
+    import torch
+
+    torch._dynamo.config.assume_static_by_default = False
+    return True
 
 
 def graphs_compiled() -> int:
@@ -387,6 +406,8 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
     for n, k in enumerate(options):
         last = n == len(options) - 1
         try:
+            if k.attention == "flex_attention":  # its first compilation serves every batch shape of the run
+                dynamic_first(ids.device)
             apply(model, k)
             got = model_states(model, ids, depth, lengths)
         except Exception as e:  # noqa: BLE001 - a kernel this model, machine or shape cannot run: the next one

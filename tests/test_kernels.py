@@ -608,6 +608,63 @@ def test_a_batch_of_one_row_on_flex_runs_as_two_and_compiles_nothing_new(tiny_ta
         torch._dynamo.reset()
 
 
+def test_flex_is_compiled_dynamic_from_its_first_call_on_cuda_only(tiny_target, monkeypatch):  # noqa: F811
+    """The self-check makes torch.compile's first graphs dynamic before it tries flex attention, so that flex and its
+    block masks compile once there for every batch shape of the run; only on CUDA (kernels.dynamic_first), where a
+    gpt-oss-20b-shaped command compiled nothing after its start-up so; the CPU's compilation is left as it is."""
+    from dflash.targets.adapter import text_model
+
+    config = torch._dynamo.config  # a module of settings: monkeypatch would delete the setting on undo
+    with config.patch(assume_static_by_default=True):
+        assert kernels.dynamic_first(torch.device("cpu")) is False
+        assert config.assume_static_by_default is True
+        assert kernels.dynamic_first(torch.device("cuda")) is True  # a device's name: no GPU needed to ask
+        assert config.assume_static_by_default is False
+    assert config.assume_static_by_default is True
+
+    asked: list[str] = []
+    monkeypatch.setattr(kernels, "dynamic_first", lambda device: asked.append(str(device)) or False)
+    model = _load(tiny_target("qwen3"))
+    ids = torch.randint(0, 200, (2, 40))
+    for options, want in (([Kernels("sdpa"), Kernels("eager")], []),
+                          ([Kernels("flex_attention"), Kernels("eager")], ["cpu"])):
+        monkeypatch.setattr(kernels, "candidates", lambda model, kinds, device, o=options: o)
+        torch._dynamo.reset()
+        asked.clear()
+        chosen, _, _ = kernels.choose(model, text_model(model), ids, [40, 33], [1, 3], ["full_attention"], "float32")
+        assert chosen == options[0] and asked == want
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_on_cuda_flex_compiles_at_the_start_up_check_for_every_batch_shape(tiny_target, monkeypatch):  # noqa: F811
+    """On CUDA the runner on flex attention (the tiny gpt_oss: sinks, sliding and full layers) compiles nothing after
+    its start-up check over batches of other shapes; the control, flex's first graphs static as torch's default,
+    compiles again for them."""
+    from dflash.targets.load import load_for_features
+    from dflash.targets.runner import TargetRunner
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3)
+    shapes = ((8, 3 * TINY_WINDOW), (3, 5 * TINY_WINDOW + 7), (5, TINY_WINDOW + 1), (2, 9 * TINY_WINDOW))
+    compiled = {}
+    for arm in ("dynamic first", "static first"):
+        if arm == "static first":
+            monkeypatch.setattr(kernels, "dynamic_first", lambda device: False)
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(assume_static_by_default=True):  # torch's default, restored after the arm
+            model = load_for_features(tiny_target("gpt_oss"), dev, torch.bfloat16)
+            runner = TargetRunner(model, list(LAYERS), check_length=4 * TINY_WINDOW, warm_tokens=1 << 14)
+            assert runner.kernels.attention == "flex_attention"
+            graphs = kernels.graphs_compiled()
+            for shape in shapes:
+                runner.hidden(torch.randint(0, 200, shape, generator=gen).to(dev))
+            compiled[arm] = kernels.graphs_compiled() - graphs
+        del runner, model
+    torch._dynamo.reset()
+    assert compiled["dynamic first"] == 0 and compiled["static first"] > 0, compiled
+
+
 class _Rows:
     """A forward pre-hook on the first decoder layer recording each forward's (rows, length), and raising `error`
     for a batch of two rows of `limit` tokens or more, as a device that holds no more would."""

@@ -122,7 +122,7 @@
 #           (BENCH_DYNAMIC_FIRST=1; on the CPU it compiles as many graphs as the default) in the time left
 #   PART 42: part 40 (the gpt-oss-20b shape's layers compiled around flex, 1M tokens) after the one-row GPU test
 #   PART 43: flex dynamic from its first call as landed (kernels.dynamic_first, after part 41's variant): its GPU test
-#           and the one-row one on the tiny gpt_oss, then the gpt-oss-20b command over 1M tokens on empty compiler
+#           and the fastest kernels' one on the tiny gpt_oss (a row of one run as two there), then the gpt-oss-20b command over 1M tokens on empty compiler
 #           caches of its own, beside its forward, then the command as before (BENCH_STATIC_FIRST=1) on empty caches
 #           of its own too: the A/B of the process's whole time, start-up and compilation included
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
@@ -411,7 +411,7 @@ e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 *
   fk fk42_gptoss "$(left)" gpt_oss_20b --work /tmp/fk42 --tokens 1000000 --compile-layers on --features
   ;;
 43)
-  gpu_tests 150 tests/test_kernels.py -k "gpt_oss and (start_up_check or on_cuda_the_fastest)"
+  gpu_tests 150 tests/test_kernels.py -k "start_up_check or (on_cuda_the_fastest and gpt_oss)"
   export TORCH_LOGS=recompiles TORCHINDUCTOR_CACHE_DIR=/tmp/cold1/inductor TRITON_CACHE_DIR=/tmp/cold1/triton
   fk fk43_gptoss "$(left)" gpt_oss_20b --work /tmp/fk43 --tokens 1000000 --compile-layers auto \
     --variants "BENCH_STATIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/cold2/inductor TRITON_CACHE_DIR=/tmp/cold2/triton"

@@ -208,15 +208,18 @@ def compile_layers(layers: Any, on: bool = True) -> None:
 
 def dynamic_first(device: Any) -> bool:
     """On CUDA, make torch.compile take every size as symbolic from a function's first graph (dynamo's
-    assume_static_by_default off, for this process), and return whether it did; the CPU is left as it is.
+    assume_static_by_default off: for the process on torch 2.11, for the calling thread from torch 2.12 on, which
+    keeps dynamo's settings per thread; extract builds its runner and runs every forward on one thread), and return
+    whether it did; the CPU is left as it is.
 
     transformers compiles flex attention and its block masks with torch's default, a first graph static at the
     self-check's 2 rows and a second, dynamic, at the first batch of another shape: in a 1M-token gpt-oss-20b-shaped
     command on one H100 that second round (both mask kinds' flex and block mask) took the run's first batch 21 s.
-    Dynamic from the first call, both are compiled at the self-check and every batch shape takes them: the same
-    command compiled nothing after its start-up and ran 40,306 tok/s first forward to last commit against 21,802
-    (bench/RESULTS.md, 2026-12-07). Only the first graph changes: compiled decoder layers are dynamic already. On the
-    CPU inductor's flex compiles again for the batch size either way (and compiled layers around it do not build)."""
+    Dynamic from the first call, both are compiled at the self-check and the batches of two rows or more take them
+    (rows of one break a size-1 guard: targets/runner.py runs them as two while cheaper): the same command, with this
+    setting from its start, compiled nothing after its start-up (bench/RESULTS.md, 2026-12-07). Only a first graph
+    compiled with torch's default changes: compiled decoder layers ask for dynamic shapes, the drafter's attention
+    for static ones. On the CPU inductor's flex compiles again for the batch size either way."""
     if getattr(device, "type", device) != "cuda":
         return False
     import torch

@@ -69,6 +69,8 @@ class TargetRunner:
         # forward time stays under ONE_ROW_RENT_S (_hidden)
         self._twice_max, self._rent_s, self._rents = warm_tokens // 2, 0.0, []
         self.kernels = kernels.current(model)
+        if self.kernels.attention == "flex_attention":  # loaded on flex, as a sharded target is (choose asks before
+            kernels.dynamic_first(text.embed_tokens.weight.device)  # it tries flex where it chooses)
         self._compile = {True: "on", False: "off"}.get(compile_layers, compile_layers)  # type: ignore[call-overload]
         length = min(check_length, warm_tokens // 2)
         self._warm = (warm_tokens // length, length) if length > 96 else None

@@ -40,6 +40,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _dynamo_first_graphs():
+    """Each test leaves torch.compile's first-graph setting as it found it: kernels.dynamic_first turns
+    them dynamic for the process (on CUDA, where a self-check tries flex), which would make later tests' compilation
+    depend on the order they run in."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "_dynamo"):
+        yield
+        return
+    with torch._dynamo.config.patch(assume_static_by_default=torch._dynamo.config.assume_static_by_default):
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     """A tiny random Qwen3 target folder (ChatML template, 8 layers, hidden 64, vocab larger than the tokenizer)."""

@@ -622,8 +622,9 @@ def test_flex_is_compiled_dynamic_from_its_first_call_on_cuda_only(tiny_target, 
         assert config.assume_static_by_default is False
     assert config.assume_static_by_default is True
 
-    asked: list[str] = []
-    monkeypatch.setattr(kernels, "dynamic_first", lambda device: asked.append(str(device)) or False)
+    asked: list[tuple[str, int]] = []  # (device, graphs compiled by then): before flex's first compilation
+    monkeypatch.setattr(kernels, "dynamic_first",
+                        lambda device: asked.append((str(device), kernels.graphs_compiled())) or False)
     model = _load(tiny_target("qwen3"))
     ids = torch.randint(0, 200, (2, 40))
     for options, want in (([Kernels("sdpa"), Kernels("eager")], []),
@@ -631,30 +632,47 @@ def test_flex_is_compiled_dynamic_from_its_first_call_on_cuda_only(tiny_target, 
         monkeypatch.setattr(kernels, "candidates", lambda model, kinds, device, o=options: o)
         torch._dynamo.reset()
         asked.clear()
+        before = kernels.graphs_compiled()
         chosen, _, _ = kernels.choose(model, text_model(model), ids, [40, 33], [1, 3], ["full_attention"], "float32")
-        assert chosen == options[0] and asked == want
+        assert chosen == options[0] and [d for d, _ in asked] == want
+        assert all(graphs == before for _, graphs in asked), "asked after flex had compiled"
+    assert kernels.graphs_compiled() > before  # flex did compile, after the ask
+    # A runner of a target loaded on flex without the choice (a sharded one's) asks too.
+    from dflash.targets.runner import TargetRunner
+
+    asked.clear()
+    kernels.apply(model, Kernels("flex_attention"))
+    TargetRunner(model, [1, 3], check=False)
+    assert [d for d, _ in asked] == ["cpu"]
     torch._dynamo.reset()
 
 
 @pytest.mark.gpu
-def test_on_cuda_flex_compiles_at_the_start_up_check_for_every_batch_shape(tiny_target, monkeypatch):  # noqa: F811
-    """On CUDA the runner on flex attention (the tiny gpt_oss: sinks, sliding and full layers) compiles nothing after
-    its start-up check over batches of other shapes; the control, flex's first graphs static as torch's default,
-    compiles again for them."""
+def test_on_cuda_flex_compiles_at_the_start_up_check_for_every_batch_shape(tiny_target, tmp_path,  # noqa: F811
+                                                                           monkeypatch):
+    """On CUDA the runner on flex attention (the tiny gpt_oss with gpt-oss-20b's window of 128: sinks, sliding and
+    full layers, a check of 2 rows of 160 tokens, two of flex's blocks) compiles nothing after its start-up check
+    over batches of other shapes; the control, flex's first graphs static as torch's default, compiles again."""
+    import shutil
+
     from dflash.targets.load import load_for_features
     from dflash.targets.runner import TargetRunner
 
+    folder = shutil.copytree(tiny_target("gpt_oss"), tmp_path / "gpt_oss")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 128}))
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(3)
-    shapes = ((8, 3 * TINY_WINDOW), (3, 5 * TINY_WINDOW + 7), (5, TINY_WINDOW + 1), (2, 9 * TINY_WINDOW))
+    # Past flex's 128-token blocks, as a run's batches and the check's rows (160 tokens for gpt-oss-20b) are.
+    shapes = ((8, 300), (3, 517), (5, 129), (2, 1000))
     compiled = {}
     for arm in ("dynamic first", "static first"):
         if arm == "static first":
             monkeypatch.setattr(kernels, "dynamic_first", lambda device: False)
         torch._dynamo.reset()
         with torch._dynamo.config.patch(assume_static_by_default=True):  # torch's default, restored after the arm
-            model = load_for_features(tiny_target("gpt_oss"), dev, torch.bfloat16)
-            runner = TargetRunner(model, list(LAYERS), check_length=4 * TINY_WINDOW, warm_tokens=1 << 14)
+            model = load_for_features(folder, dev, torch.bfloat16)
+            runner = TargetRunner(model, list(LAYERS), warm_tokens=1 << 14)
             assert runner.kernels.attention == "flex_attention"
             graphs = kernels.graphs_compiled()
             for shape in shapes:

@@ -608,6 +608,7 @@ def test_a_batch_of_one_row_on_flex_runs_as_two_and_compiles_nothing_new(tiny_ta
         torch._dynamo.reset()
 
 
+@pytest.mark.internals  # dynamo's setting of a first graph's sizes (assume_static_by_default), through choose
 def test_flex_is_compiled_dynamic_from_its_first_call_on_cuda_only(tiny_target, monkeypatch):  # noqa: F811
     """The self-check makes torch.compile's first graphs dynamic before it tries flex attention, so that flex and its
     block masks compile once there for every batch shape of the run; only on CUDA (kernels.dynamic_first), where a

@@ -168,6 +168,14 @@ demo() {  # the GPU demo as a user runs it, resumed where a limit cut it
   echo "demo exit $?" >> "$OUT/gpu.txt"
   cp /tmp/demo/summary.json /tmp/demo/demo.log "$OUT/" 2>/dev/null
 }
+matmul_rate() {  # the machine's own bf16 ceiling: 20 products of random 8192^3 matrices, by CUDA events, into gpu.txt
+  python3 -c "import torch; a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16); b = torch.randn_like(a)
+for _ in range(3): a @ b
+e = [torch.cuda.Event(enable_timing=True) for _ in range(2)]; torch.cuda.synchronize(); e[0].record()
+for _ in range(20): a @ b
+e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 * 8192**3 / e[0].elapsed_time(e[1]) / 1e9, 1), 'TFLOP/s')" \
+    >> "$OUT/gpu.txt" 2>&1
+}
 case "${1:-1}" in
 1)
   timeout 200 python3 bench/oom_split.py --work /tmp/boom --tokens 300000 > "$OUT/oom.txt" 2>&1; echo "oom exit $?" >> "$OUT/gpu.txt"
@@ -382,12 +390,7 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
     --variants "BENCH_DYNAMIC_FIRST=1"
   ;;
 39)
-  python3 -c "import torch; a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16); b = torch.randn_like(a)
-for _ in range(3): a @ b
-e = [torch.cuda.Event(enable_timing=True) for _ in range(2)]; torch.cuda.synchronize(); e[0].record()
-for _ in range(20): a @ b
-e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 * 8192**3 / e[0].elapsed_time(e[1]) / 1e9, 1), 'TFLOP/s')" \
-    >> "$OUT/gpu.txt" 2>&1
+  matmul_rate
   timeout 150 python3 bench/flex_compiles.py --arch gpt_oss --device cuda --out "$OUT/flex_compiles.json" \
     > "$OUT/flex_compiles.txt" 2>&1; echo "flex_compiles exit $?" >> "$OUT/gpu.txt"
   gpu_tests 120 tests/test_kernels.py -k "on_cuda_the_fastest"
@@ -395,12 +398,7 @@ e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 *
     --variants "BENCH_ONE_ROW=1;BENCH_DYNAMIC_FIRST=1"
   ;;
 41)
-  python3 -c "import torch; a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16); b = torch.randn_like(a)
-for _ in range(3): a @ b
-e = [torch.cuda.Event(enable_timing=True) for _ in range(2)]; torch.cuda.synchronize(); e[0].record()
-for _ in range(20): a @ b
-e[1].record(); torch.cuda.synchronize(); print('bf16 8192^3 random:', round(40 * 8192**3 / e[0].elapsed_time(e[1]) / 1e9, 1), 'TFLOP/s')" \
-    >> "$OUT/gpu.txt" 2>&1
+  matmul_rate
   gpu_tests 90 tests/test_kernels.py -k "on_cuda_the_fastest and gpt_oss"
   export TORCH_LOGS=recompiles
   fk fk41_gptoss "$(left)" gpt_oss_20b --work /tmp/fk41 --tokens 1000000 --compile-layers auto \

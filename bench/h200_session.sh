@@ -125,6 +125,8 @@
 #           and the fastest kernels' one on the tiny gpt_oss (a row of one run as two there), then the gpt-oss-20b command over 1M tokens on empty compiler
 #           caches of its own, beside its forward, then the command as before (BENCH_STATIC_FIRST=1) on empty caches
 #           of its own too: the A/B of the process's whole time, start-up and compilation included
+#   PART 44: part 43's start-up check GPU test (2 graphs compiled after the check with flex dynamic first, against 4
+#           static) with dynamo's log of each function it starts compiling and its recompiles, then part 42
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -405,6 +407,16 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
     --variants "BENCH_ONE_ROW=1;BENCH_DYNAMIC_FIRST=1"
   ;;
 42)
+  export TORCH_LOGS=recompiles
+  fk fk42_gptoss "$(left)" gpt_oss_20b --work /tmp/fk42 --tokens 1000000 --compile-layers on --features
+  ;;
+44)
+  # the start-up check's GPU test that failed in part 43 (dynamic first: 2 graphs after the check), with dynamo's
+  # INFO log (each function it starts compiling) and the recompile log, then part 42 in the time left
+  TORCH_LOGS=recompiles,dynamo timeout 200 python3 -m pytest -q -m gpu -s -p no:cacheprovider --tb=short -W ignore -n 0 \
+    tests/test_kernels.py -k start_up_check > /tmp/t44.txt 2>&1
+  echo "gpu test exit $?" >> "$OUT/gpu.txt"
+  grep -v "^\s*$" /tmp/t44.txt | gzip > "$OUT/t44.txt.gz"
   export TORCH_LOGS=recompiles
   fk fk42_gptoss "$(left)" gpt_oss_20b --work /tmp/fk42 --tokens 1000000 --compile-layers on --features
   ;;

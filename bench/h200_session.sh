@@ -127,6 +127,9 @@
 #           of its own too: the A/B of the process's whole time, start-up and compilation included
 #   PART 44: part 43's start-up check GPU test (2 graphs compiled after the check with flex dynamic first, against 4
 #           static) with dynamo's log of each function it starts compiling and its recompiles, then part 42
+#   PART 45: kernels.dynamic_first with duck sizing off too (part 44's log: the tiny gpt_oss's keys were static, their
+#           batch duck-sized with its 2 query heads): the GPU tests of part 43, then the gpt-oss-20b command over 1M
+#           tokens on empty compiler caches, beside its forward
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -409,6 +412,13 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
 42)
   export TORCH_LOGS=recompiles
   fk fk42_gptoss "$(left)" gpt_oss_20b --work /tmp/fk42 --tokens 1000000 --compile-layers on --features
+  ;;
+45)
+  # kernels.dynamic_first with duck sizing off: the start-up check's GPU test (failed in parts 43 and 44: the tiny
+  # gpt_oss's keys static, duck-sized with its 2 heads), then the gpt-oss-20b command on empty caches, no variant
+  gpu_tests 170 tests/test_kernels.py -k "start_up_check or (on_cuda_the_fastest and gpt_oss) or dynamic_first"
+  export TORCH_LOGS=recompiles TORCHINDUCTOR_CACHE_DIR=/tmp/cold3/inductor TRITON_CACHE_DIR=/tmp/cold3/triton
+  fk fk45_gptoss "$(left)" gpt_oss_20b --work /tmp/fk43 --tokens 1000000 --compile-layers auto
   ;;
 44)
   # the start-up check's GPU test that failed in part 43 (dynamic first: 2 graphs after the check), with dynamo's

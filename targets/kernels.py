@@ -207,24 +207,31 @@ def compile_layers(layers: Any, on: bool = True) -> None:
 
 
 def dynamic_first(device: Any) -> bool:
-    """On CUDA, make torch.compile take every size as symbolic from a function's first graph (dynamo's
-    assume_static_by_default off: for the process on torch 2.11, for the calling thread from torch 2.12 on, which
-    keeps dynamo's settings per thread; extract builds its runner and runs every forward on one thread), and return
-    whether it did; the CPU is left as it is.
+    """On CUDA, make torch.compile take every size as symbolic from a function's first graph, each size a symbol of
+    its own (dynamo's assume_static_by_default and the shape environment's duck sizing off: for the process on torch
+    2.11, for the calling thread from torch 2.12 on, which keeps dynamo's settings per thread; extract builds its
+    runner and runs every forward on one thread), and return whether it did; the CPU is left as it is.
 
     transformers compiles flex attention and its block masks with torch's default, a first graph static at the
     self-check's 2 rows and a second, dynamic, at the first batch of another shape: in a 1M-token gpt-oss-20b-shaped
     command on one H100 that second round (both mask kinds' flex and block mask) took the run's first batch 21 s.
     Dynamic from the first call, both are compiled at the self-check and the batches of two rows or more take them
-    (rows of one break a size-1 guard: targets/runner.py runs them as two while cheaper): the same command, with this
-    setting from its start, compiled nothing after its start-up (bench/RESULTS.md, 2026-12-07). Only a first graph
-    compiled with torch's default changes: compiled decoder layers ask for dynamic shapes, the drafter's attention
-    for static ones. On the CPU inductor's flex compiles again for the batch size either way."""
+    (rows of one break a size-1 guard: targets/runner.py runs them as two while cheaper): the same command compiled
+    nothing after its start-up and ran 1.53x (bench/RESULTS.md, 2026-12-07). Duck sizing gives sizes of equal value
+    one symbol: the check's 2 rows took the symbol of any other 2 in the call (2 key/value heads, a constant, which
+    made the keys static: the tiny gpt_oss on one H100 compiled flex again for its first batch; 2 blocks of 128
+    tokens in the check's rows of 160, so that a later batch's rows had to equal its block count), so each size gets
+    its own. Only a first graph compiled with torch's default changes: compiled decoder layers ask for dynamic shapes,
+    the drafter's attention for static ones. On the CPU torch.compile's flex alone compiles once under both settings
+    too (tests/test_kernels.py), but inductor's C++ template fails on transformers' flex forward with every size
+    symbolic (torch 2.13), so the CPU keeps torch's default."""
     if getattr(device, "type", device) != "cuda":
         return False
     import torch
+    import torch.fx.experimental._config as shapes
 
     torch._dynamo.config.assume_static_by_default = False
+    shapes.use_duck_shape = False
     return True
 
 

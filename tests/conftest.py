@@ -42,16 +42,19 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _dynamo_first_graphs():
-    """Each test leaves torch.compile's first-graph setting as it found it: kernels.dynamic_first turns
-    them dynamic for the process (on CUDA, where a self-check tries flex), which would make later tests' compilation
-    depend on the order they run in."""
+    """Each test leaves torch.compile's first-graph settings as it found them: kernels.dynamic_first turns them
+    dynamic and duck sizing off for the process (on CUDA, where a self-check tries flex), which would make later
+    tests' compilation depend on the order they run in."""
     import sys
 
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(torch, "_dynamo"):
         yield
         return
-    with torch._dynamo.config.patch(assume_static_by_default=torch._dynamo.config.assume_static_by_default):
+    import torch.fx.experimental._config as shapes
+
+    with torch._dynamo.config.patch(assume_static_by_default=torch._dynamo.config.assume_static_by_default), \
+            shapes.patch(use_duck_shape=shapes.use_duck_shape):
         yield
 
 

@@ -615,13 +615,15 @@ def test_flex_is_compiled_dynamic_from_its_first_call_on_cuda_only(tiny_target, 
     gpt-oss-20b-shaped command compiled nothing after its start-up so; the CPU's compilation is left as it is."""
     from dflash.targets.adapter import text_model
 
+    import torch.fx.experimental._config as shapes
+
     config = torch._dynamo.config  # a module of settings: monkeypatch would delete the setting on undo
-    with config.patch(assume_static_by_default=True):
+    with config.patch(assume_static_by_default=True), shapes.patch(use_duck_shape=True):
         assert kernels.dynamic_first(torch.device("cpu")) is False
-        assert config.assume_static_by_default is True
+        assert config.assume_static_by_default is True and shapes.use_duck_shape is True
         assert kernels.dynamic_first(torch.device("cuda")) is True  # a device's name: no GPU needed to ask
-        assert config.assume_static_by_default is False
-    assert config.assume_static_by_default is True
+        assert config.assume_static_by_default is False and shapes.use_duck_shape is False
+    assert config.assume_static_by_default is True and shapes.use_duck_shape is True
 
     asked: list[tuple[str, int]] = []  # (device, graphs compiled by then): before flex's first compilation
     monkeypatch.setattr(kernels, "dynamic_first",
@@ -646,6 +648,55 @@ def test_flex_is_compiled_dynamic_from_its_first_call_on_cuda_only(tiny_target, 
     TargetRunner(model, [1, 3], check=False)
     assert [d for d, _ in asked] == ["cpu"]
     torch._dynamo.reset()
+
+
+@pytest.mark.internals  # dynamo's first-graph settings and duck sizing, through torch.compile's flex attention
+def test_flex_compiled_under_dynamic_first_takes_every_later_batch_shape():
+    """Under kernels.dynamic_first's settings, applied here on the CPU, flex attention compiled (as transformers
+    compiles it: torch.compile with torch's defaults) on the check's 2 rows of 160 tokens (two of flex's 128-token
+    blocks, a sliding window of 128; 2 query heads, 1 key/value head, as the tiny gpt_oss) takes batches of other
+    shapes without compiling again, with the eager kernel's output. The controls: with duck sizing on (the 2 rows share
+    the symbol of another 2, the heads or the block count, which a later batch breaks: the tiny gpt_oss on one H100,
+    bench/RESULTS.md) and with torch's default, it compiles again. (transformers' own flex forward on the CPU does not
+    compile with every size symbolic, duck sizing on or off: a C++ template error of inductor's in torch 2.13, so the
+    CPU keeps torch's default.)"""
+    import torch.fx.experimental._config as shapes
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def window(b, h, q, k):
+        return (q >= k) & (q - k < 128)
+
+    gen = torch.Generator().manual_seed(9)
+    shapes_run = ((2, 160), (8, 300), (3, 517), (5, 129))
+    inputs = [[torch.randn(b, h, n, 16, generator=gen) for h in (2, 1, 1)] for b, n in shapes_run]
+    compiled = {}
+    try:
+        for arm, duck in (("dynamic first", False), ("duck sizing on", True), ("torch's default", True)):
+            torch._dynamo.reset()
+            with torch._dynamo.config.patch(assume_static_by_default=True), shapes.patch(use_duck_shape=True):
+                if arm != "torch's default":
+                    assert kernels.dynamic_first("cuda")  # the settings CUDA gets, on the CPU's inductor
+                shapes.use_duck_shape = duck
+                flex = torch.compile(flex_attention)
+                outs = []
+                for n, (q, k, v) in enumerate(inputs):
+                    mask = create_block_mask(window, q.shape[0], None, q.shape[2], k.shape[2], device="cpu")
+                    with torch.inference_mode():
+                        outs.append(flex(q, k, v, block_mask=mask, enable_gqa=True))
+                    if n == 0:
+                        graphs = kernels.graphs_compiled()
+                compiled[arm] = kernels.graphs_compiled() - graphs
+            if arm == "dynamic first":
+                for (q, k, v), out in zip(inputs, outs):
+                    n = q.shape[2]
+                    allowed = torch.ones(n, n).tril().bool() & ~torch.ones(n, n).tril(-128).bool()
+                    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                                                            enable_gqa=True)
+                    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    finally:
+        torch._dynamo.reset()
+    assert compiled["dynamic first"] == 0 and compiled["duck sizing on"] > 0 and compiled["torch's default"] > 0, \
+        compiled
 
 
 @pytest.mark.gpu

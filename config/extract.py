@@ -46,8 +46,8 @@ class ExtractConfig(StageConfig):
         "auto", choices=COMPILES,
         help="Run the target's decoder layers under torch.compile where the self-check finds them exact: on, off, or "
              "auto (on a GPU for a run of 10M tokens or more left, where the compilation, tens of seconds a worker, "
-             "is small against the forward it speeds up: 1.5-1.6x on a Qwen3-30B-A3B shape, bench/RESULTS.md; not "
-             "where the attention is flex or the target has Gated DeltaNet layers, not measured faster yet). Not "
+             "is small against the forward it speeds up: 1.5-1.6x on a Qwen3-30B-A3B shape, 1.58x on a gpt-oss-20b "
+             "shape, bench/RESULTS.md; not where the target has Gated DeltaNet layers, not measured faster yet). Not "
              "for --shard-weights or --offload targets. "
              "The log and the store header say whether it ran.")
     chat_template: str | None = option(None, help="Jinja chat template file to use instead of the tokenizer's.")

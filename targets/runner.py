@@ -60,7 +60,7 @@ class TargetRunner:
         # The attention and experts kernels: the fastest that equals the model's eager float32 forward (kernels.py),
         # chosen and checked by the self-check; without it, whatever the model was loaded with.
         # compile_layers: every decoder layer under torch.compile, where the self-check finds it exact (kernels.choose:
-        # True or "on"; "auto": unless the attention is flex or the target has Gated DeltaNet layers); unchecked
+        # True or "on"; "auto": unless the target has Gated DeltaNet layers); unchecked
         # without the check, never with choose_kernels=False.
         # warm_tokens: the run's batch size; compiled layers run first on a batch of about that many tokens, rows as
         # long as the check's length allows (kernels.warm_forward), then on one row of that length; rows no longer

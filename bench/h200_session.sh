@@ -111,8 +111,8 @@
 #           row twice against the row alone, each with empty caches), `pytest -m gpu tests/test_kernels.py -k
 #           on_cuda_the_fastest` (the one-row path through flex with sinks; cudnn_padded for MLA's unequal head dims),
 #           then part 38 in the time left
-#   PART 40: the gpt-oss-20b shape with its decoder layers compiled around flex (`--compile-layers on`; auto leaves
-#           them eager, never measured warm: part 18's 100K tokens were all compilation), the command over 1M tokens
+#   PART 40: the gpt-oss-20b shape with its decoder layers compiled around flex (`--compile-layers on`; auto left
+#           them eager until 2026-12-07, never measured warm: part 18's 100K tokens were all compilation), the command over 1M tokens
 #           beside its compiled forward and that forward with extract's device work: its forward at 25.3% eager is
 #           the MoE goal's farthest shape
 #   PART 41: part 39 reordered for a call that may be the session's only one (sixteenth session): the bf16 matrix

@@ -144,7 +144,8 @@ COMPILE_MIN_TOKENS = 10_000_000
 
 def compile_layers(cfg: "ExtractConfig", device: Any, tokens_left: int) -> str:
     """Return whether a resident target's decoder layers are compiled, as TargetRunner takes it: "on", "off", or
-    "auto" (compiled unless it has Gated DeltaNet layers) on a GPU for a run of COMPILE_MIN_TOKENS tokens left or more."""
+    "auto" (compiled unless it has Gated DeltaNet layers) on a GPU for a run of COMPILE_MIN_TOKENS tokens left or
+    more."""
     import torch
 
     choice = getattr(cfg, "compile_layers", "auto")

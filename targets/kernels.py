@@ -218,11 +218,12 @@ def dynamic_first(device: Any) -> bool:
     Dynamic from the first call, both are compiled at the self-check and the batches of two rows or more take them
     (rows of one break a size-1 guard: targets/runner.py runs them as two while cheaper): the same command compiled
     nothing after its start-up and ran 1.53x (bench/RESULTS.md, 2026-12-07). Duck sizing gives sizes of equal value
-    one symbol: the check's 2 rows took the symbol of any other 2 in the call (2 key/value heads, a constant, which
+    one symbol: the check's 2 rows took the symbol of any other 2 in the call (2 query heads, a constant, which
     made the keys static: the tiny gpt_oss on one H100 compiled flex again for its first batch; 2 blocks of 128
     tokens in the check's rows of 160, so that a later batch's rows had to equal its block count), so each size gets
-    its own. Only a first graph compiled with torch's default changes: compiled decoder layers ask for dynamic shapes,
-    the drafter's attention for static ones. On the CPU torch.compile's flex alone compiles once under both settings
+    its own. Both settings reach every later compile on the thread: a first graph compiled with torch's default, and
+    graphs that ask for dynamic shapes (compiled decoder layers) lose duck sizing; static ones (the drafter's
+    attention) do not change. On the CPU torch.compile's flex alone compiles once with both off
     too (tests/test_kernels.py), but inductor's C++ template fails on transformers' flex forward with every size
     symbolic (torch 2.13), so the CPU keeps torch's default."""
     if getattr(device, "type", device) != "cuda":

@@ -130,6 +130,14 @@
 #   PART 45: kernels.dynamic_first with duck sizing off too (part 44's log: the tiny gpt_oss's keys were static, their
 #           batch duck-sized with its 2 query heads): the GPU tests of part 43, then the gpt-oss-20b command over 1M
 #           tokens on empty compiler caches, beside its forward
+#   PART 46: issue 44's table on current main, first call (nineteenth session): the Qwen3-30B-A3B shape's compiled
+#           command over 1M tokens beside its forward and the forward with extract's device work, then the command
+#           with 2 writer threads (--variants: is the command's 6% more device time than the bench's pass over the
+#           same batches the host's threads?), then the gpt-oss-20b shape with its layers compiled around flex and
+#           duck sizing off (part 42 on main since 82c6643), 1M tokens
+#   PART 47: issue 44's table, second call: the DeepSeek-V3 cut (MLA on cuDNN's padded kernel, layers compiled; its
+#           compiled command never measured over 1M tokens), the command beside its forward and the forward with
+#           extract's device work
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -413,6 +421,14 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   export TORCH_LOGS=recompiles
   fk fk42_gptoss "$(left)" gpt_oss_20b --work /tmp/fk42 --tokens 1000000 --compile-layers on --features
   ;;
+46)
+  fk fk46_qwen3 270 qwen3_30b_a3b --work /tmp/fk46 --tokens 1000000 --features --variants "--writer-threads 2"
+  export TORCH_LOGS=recompiles
+  fk fk46_gptoss "$(left)" gpt_oss_20b --work /tmp/fk46g --tokens 1000000 --compile-layers on --features
+  ;;
+47)
+  fk fk47_dsv3 "$(left)" deepseek_v3_cut --work /tmp/fk47 --tokens 1000000 --features
+  ;;
 45)
   # kernels.dynamic_first with duck sizing off: the start-up check's GPU test (failed in parts 43 and 44: the tiny
   # gpt_oss's keys static, duck-sized with its 2 heads), then the gpt-oss-20b command on empty caches, no variant
@@ -446,6 +462,6 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk34 /tmp/fk36 /tmp/fk37 /tmp/fk40 /tmp/fk41 /tmp/fk42 /tmp/fk43 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
+for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk34 /tmp/fk36 /tmp/fk37 /tmp/fk40 /tmp/fk41 /tmp/fk42 /tmp/fk43 /tmp/fk46 /tmp/fk46g /tmp/fk47 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
            -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

@@ -271,6 +271,7 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
             encoder = open_encoder(cfg)
     encoder, pad_id = encoder
     loaded: dict[str, float] = {}
+    marks: dict[str, Any] = {}
     made: list[Any] = []
 
     def make_pipeline() -> Any:
@@ -280,6 +281,9 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
             on_batch=lambda n, t: report({"kind": "batch", "worker": spec.index, "samples": n, "tokens": t}),
             timeline=tl, runner=runner, buffers=buffers, codec=store.header["codec"], tokens_left=plan.tokens_left)
         loaded["load_s"] = runner_s + time.perf_counter() - t_start
+        from .perf import memory_mark
+
+        marks["memory"] = memory_mark(spec.device)  # the run's memory from here: its start-up is behind it
         made.append(pipeline)
         return pipeline
 
@@ -311,11 +315,12 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
     result = {**result, "load_s": round(loaded["load_s"], 3) if loaded else None}
     perf = {}
     if made:
-        from .perf import device_peak, worker_perf
+        from .perf import device_memory, device_peak, worker_perf
 
         device_s = sum(row.get("forward_device", 0.0) for row in tl.shards.values())
         perf = worker_perf(made[0].runner, *device_peak(spec.device), result.get("flops", 0.0),
-                           result.get("tokens", 0), result.get("steady_s") or 0.0, device_s)
+                           result.get("tokens", 0), result.get("steady_s") or 0.0, device_s,
+                           memory=device_memory(spec.device, marks.get("memory")))
     return {**result, "perf": perf,
             "timeline": tl.to_dict(device=spec.device, pid=os.getpid(), index=spec.index, perf=perf)}
 

@@ -117,3 +117,22 @@ def test_mfu_is_the_rate_over_the_devices_peak_and_no_number_where_it_is_unknown
     cpu = worker_perf(_Runner(), "the CPU", None, flops=4.0e9, tokens=1000, steady_s=2.0)
     assert cpu["mfu"] is None and "no MFU: the bf16 peak of the CPU is not known" in perf_line(cpu)
     assert peak_flops("Some Future GPU") is None
+
+
+def test_the_runs_device_memory_is_in_the_perf_line_and_its_allocator_retries_name_the_fix() -> None:
+    from dflash.extract.perf import device_memory, memory_mark
+
+    assert memory_mark("cpu") is None and device_memory("cpu", None) is None  # no counters off CUDA, no line
+    calm = {"peak_allocated_gib": 60.1, "peak_reserved_gib": 70.4, "total_gib": 79.2, "alloc_retries": 0,
+            "device_alloc": 12, "device_free": 0, "ooms": 0}
+    p = worker_perf(_Runner(), "NVIDIA H100 80GB HBM3", 989.5e12, flops=4.0e15, tokens=200_000, steady_s=10.0,
+                    memory=calm)
+    assert p["device_memory"] == calm
+    line = perf_line(p)
+    assert line.endswith("; device memory peak 70.4 of 79.2 GiB") and "flushed" not in line
+    tight = perf_line(worker_perf(_Runner(), "NVIDIA H100 80GB HBM3", 989.5e12, flops=4.0e15, tokens=200_000,
+                                  steady_s=10.0, memory={**calm, "alloc_retries": 1234}))
+    assert "the allocator flushed its cache 1,234 times" in tight and "--batch-tokens" in tight
+    assert "expandable_segments:True" in tight
+    assert "device memory" not in perf_line(worker_perf(_Runner(), "the CPU", None, flops=4.0e9, tokens=1000,
+                                                        steady_s=2.0))

@@ -138,6 +138,9 @@
 #   PART 47: issue 44's table, second call: the DeepSeek-V3 cut (MLA on cuDNN's padded kernel, layers compiled; its
 #           compiled command never measured over 1M tokens), the command beside its forward and the forward with
 #           extract's device work
+#   PART 48: part 46's A/B alone (its variant was cut): the Qwen3-30B-A3B command over 1M tokens beside its forward,
+#           then with 2 writer threads, then with the GIL handed over every 0.2 ms (SWITCH): part 46's command ran 10%
+#           more device time than the bench's pass over the same batches with the same device work
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -428,6 +431,10 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   ;;
 47)
   fk fk47_dsv3 "$(left)" deepseek_v3_cut --work /tmp/fk47 --tokens 1000000 --features
+  ;;
+48)
+  fk fk48_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk46 --tokens 1000000 --features \
+    --variants "--writer-threads 2;SWITCH=0.0002"
   ;;
 45)
   # kernels.dynamic_first with duck sizing off: the start-up check's GPU test (failed in parts 43 and 44: the tiny

@@ -127,6 +127,11 @@ def child(argv: list[str]) -> None:
         import dflash.extract.worker as worker
 
         worker.GIL_SWITCH_S = float(os.environ["BENCH_SWITCH_INTERVAL"])
+    if os.environ.get("BENCH_TOKENISE_THREAD") == "1":  # a --variants probe: every shard tokenised on the worker's
+        # thread, as before 2026-12-07 (a CUDA worker tokenises its later shards in a child process since)
+        import dflash.extract.worker as worker
+
+        worker.tokenise_in_child = lambda device, shards_left: False
     if os.environ.get("BENCH_DYNAMIC_FIRST") == "1":  # a --variants probe: torch.compile's first graph of a function
         # takes every size as symbolic (transformers' compiled flex attention and block masks compile once for all
         # batch shapes, not once static and again dynamic at the next shape)

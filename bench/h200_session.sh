@@ -141,13 +141,10 @@
 #   PART 48: part 46's A/B alone (its variant was cut): the Qwen3-30B-A3B command over 1M tokens beside its forward,
 #           then with 2 writer threads, then with the GIL handed over every 0.2 ms (SWITCH): part 46's command ran 10%
 #           more device time than the bench's pass over the same batches with the same device work
-#   PART 49: part 48 the other way round: the Qwen3-30B-A3B command over 1M tokens with the GIL handed over every
-#           0.2 ms (the product's default on CUDA since 2026-12-07; part 48's last variant, 0.816 of the forward against
-#           0.743) beside its forward, then with CPython's 5 ms (SWITCH=0.005, the old default), then 1 ms
-#   PART 50: parts 49 and the child tokeniser in one call: the Qwen3-30B-A3B command over 1M tokens as landed on
-#           2026-12-07 (the GIL handed over every 0.2 ms, shards after the first tokenised in a child process) beside
-#           its forward, then with every shard tokenised on the worker's thread (BENCH_TOKENISE_THREAD=1: part 49's
-#           command), then that with CPython's 5 ms too (the command before 2026-12-07: part 48's base)
+#   PART 49 (never ran) and PART 50 (ran at 4e75ee3, bench/RESULTS.md) were for two changes that then left the product
+#   PART 51: the run-to-run spread before any more host-side A/B: the Qwen3-30B-A3B command over 1M tokens beside its
+#           forward, then with the GIL handed over every 0.2 ms (SWITCH=0.0002), then the command again (A B A:
+#           parts 48 and 50 each ran their variants in one order, and the later runs were the faster)
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -443,13 +440,9 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   fk fk48_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk46 --tokens 1000000 --features \
     --variants "--writer-threads 2;SWITCH=0.0002"
   ;;
-49)
-  fk fk49_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk46 --tokens 1000000 --features \
-    --variants "SWITCH=0.005;SWITCH=0.001"
-  ;;
-50)
-  fk fk50_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk46 --tokens 1000000 --features \
-    --variants "BENCH_TOKENISE_THREAD=1;BENCH_TOKENISE_THREAD=1 SWITCH=0.005"
+51)
+  fk fk51_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk46 --tokens 1000000 --features \
+    --variants "SWITCH=0.0002;BENCH_AGAIN=1"
   ;;
 45)
   # kernels.dynamic_first with duck sizing off: the start-up check's GPU test (failed in parts 43 and 44: the tiny

@@ -122,16 +122,8 @@ def child(argv: list[str]) -> None:
 
     loading.load_for_features = random_target
     skip_weight_check()
-    if os.environ.get("BENCH_SWITCH_INTERVAL"):  # a --variants probe: the GIL hand-over interval a CUDA worker
-        # sets while it fills shards (SWITCH=0.005: CPython's default, what the command ran with before 2026-12-07)
-        import dflash.extract.worker as worker
-
-        worker.GIL_SWITCH_S = float(os.environ["BENCH_SWITCH_INTERVAL"])
-    if os.environ.get("BENCH_TOKENISE_THREAD") == "1":  # a --variants probe: every shard tokenised on the worker's
-        # thread, as before 2026-12-07 (a CUDA worker tokenises its later shards in a child process since)
-        import dflash.extract.worker as worker
-
-        worker.tokenise_in_child = lambda device, shards_left: False
+    if os.environ.get("BENCH_SWITCH_INTERVAL"):  # a --variants probe: the interpreter's GIL hand-over interval
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
     if os.environ.get("BENCH_DYNAMIC_FIRST") == "1":  # a --variants probe: torch.compile's first graph of a function
         # takes every size as symbolic (transformers' compiled flex attention and block masks compile once for all
         # batch shapes, not once static and again dynamic at the next shape)

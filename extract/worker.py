@@ -4,9 +4,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -18,8 +16,8 @@ from .plan import claim_order
 if TYPE_CHECKING:
     from ..config import ExtractConfig
 
-__all__ = ["WorkerSpec", "auto_writer_threads", "GIL_SWITCH_S", "gil_handover", "tokenise_in_child", "prepare_shard",
-           "open_encoder", "open_pipeline", "host_buffers", "run_worker", "fill_shards"]
+__all__ = ["WorkerSpec", "auto_writer_threads", "prepare_shard", "open_encoder", "open_pipeline",
+           "host_buffers", "run_worker", "fill_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -45,34 +43,6 @@ def auto_writer_threads(workers: int, cpus: int | None = None) -> int:
     """
     cpus = cpus or os.cpu_count() or 2
     return max(2, min(16, cpus // max(1, workers) - 1))
-
-
-# The interpreter's GIL hand-over interval while a CUDA worker fills shards. CPython's 5 ms default lets the
-# writer threads (compression, fsync, commits: 15 of them on 16 cores) hold the GIL for up to 5 ms each time the main
-# thread wants it back to launch the next kernels; on 2026-12-07 (one H200, the Qwen3-30B-A3B shape's compiled
-# command, 1M tokens) 0.2 ms ran the command at 0.816 of its bare forward against 0.743 (bench/RESULTS.md).
-GIL_SWITCH_S = 0.0002
-
-
-@contextmanager
-def gil_handover(device: str) -> Any:
-    """Hand the GIL over every GIL_SWITCH_S inside the block when `device` is a CUDA device (its forward is kernel
-    launches from the main thread, which waits on the writer threads for the GIL), restoring the interval after; on
-    the CPU the forward is the main thread's own work and the interval is left as it is."""
-    before = sys.getswitchinterval()
-    if str(device).startswith("cuda"):
-        sys.setswitchinterval(GIL_SWITCH_S)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
-
-
-def tokenise_in_child(device: str, shards_left: int) -> bool:
-    """Return whether a worker on `device` with `shards_left` tokenises its shards after the first in a child
-    process (extract/tokeniser.py says why): on CUDA with more than one shard left; on the CPU the forward is the
-    process's own work and a child would only cost its start."""
-    return str(device).startswith("cuda") and shards_left > 1
 
 
 TRUNCATED = "truncated_at_max_length"
@@ -288,33 +258,11 @@ def run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report
     seconds the command waited for it (counted in the load time the summary reports); buffers: the
     pipeline's host buffers already being allocated (worker.host_buffers).
     """
+    from ..storage import Store
     from .timeline import Timeline
 
     tl = timeline if timeline is not None else Timeline()
     t_start = time.perf_counter()
-
-    def tokenised(shard_id: int, seconds: float, dropped: int) -> None:  # a shard back from the child tokeniser
-        tl.add("tokenise", seconds, shard_id, main=False)
-        report({"kind": "dropped", "worker": spec.index, "samples": dropped})
-
-    child = None
-    if tokenise_in_child(spec.device, len(plan.ranges) - len(plan.committed)):
-        from .tokeniser import ChildTokeniser
-
-        child = ChildTokeniser(cfg, plan, tokenised)  # spawned now: it starts beside the load
-    try:
-        return _run_worker(cfg, spec, plan, report, tl, t_start, child, encoder, runner, runner_s, buffers)
-    finally:
-        if child is not None:
-            child.shutdown()
-
-
-def _run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Report, tl: Any, t_start: float,
-                child: Any, encoder: tuple[Any, int] | None, runner: Any, runner_s: float,
-                buffers: Any) -> dict[str, Any]:
-    from ..storage import Store
-    from .tokeniser import shard_samples
-
     header = spec.header
     with tl.stage("store"):
         store = Store.open(cfg.out, expected=header)
@@ -341,18 +289,18 @@ def _run_worker(cfg: "ExtractConfig", spec: WorkerSpec, plan: Any, report: Repor
 
     def samples_for(shard_id: int) -> tuple[list[Any], dict[str, Any]]:
         with tl.stage("tokenise", shard_id, main=False):
-            samples, extra, dropped = shard_samples(plan, shard_id, encoder, cfg.min_loss_tokens, cfg.strict)
-        report({"kind": "dropped", "worker": spec.index, "samples": dropped})
-        return samples, extra
+            start, stop, rows = plan.shard_rows(shard_id)
+            altered = BadRowLog()
+            samples, dropped = prepare_shard(rows, encoder, cfg.min_loss_tokens, cfg.strict, altered)
+        report({"kind": "dropped", "worker": spec.index, "samples": stop - start - len(samples)})
+        return samples, {"rows": [start, stop], "dropped": dropped.to_dict(), "altered": altered.to_dict()}
 
     pipeline: Any = make_pipeline
     if is_sharded(cfg):
         pipeline = _lockstep_pipeline(cfg, spec.device, store, make_pipeline)
     try:
-        with gil_handover(spec.device):
-            result = fill_shards(store, samples_for, pipeline, report, spec,
-                                 writer_threads=cfg.writer_threads or spec.writer_threads, timeline=tl,
-                                 later=child.submit if child is not None else None)
+        result = fill_shards(store, samples_for, pipeline, report, spec,
+                             writer_threads=cfg.writer_threads or spec.writer_threads, timeline=tl)
         lockstep = getattr(pipeline, "runner", None)  # extract.lockstep.Lockstep when sharded and loaded
         if hasattr(lockstep, "finish"):  # step with the peers until none has rows left
             with tl.stage("lockstep"):
@@ -392,15 +340,12 @@ def _lockstep_pipeline(cfg: "ExtractConfig", device: str, store: Any, make_pipel
 
 
 def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report, spec: WorkerSpec, *,
-                writer_threads: int | None = None, timeline: Any = None,
-                later: Callable[[int], Any] | None = None) -> dict[str, Any]:
+                writer_threads: int | None = None, timeline: Any = None) -> dict[str, Any]:
     """Return this worker's totals after claiming and committing every shard it could get, one claim at a time.
 
     samples_for(shard_id) gives the shard's samples and the commit extra (rows, drops); pipeline is the
     FeaturePipeline, or a function that makes it (called once the first shard is claimed and tokenising, so that
-    a model load overlaps it; not at all when there is nothing left to do). later(shard_id), when given, tokenises
-    every shard after the first elsewhere (tokeniser.ChildTokeniser.submit: a future of samples_for's result); the
-    first is tokenised here while no forward runs yet. A shard is committed by
+    a model load overlaps it; not at all when there is nothing left to do). A shard is committed by
     the pipeline's writer thread after its last sample, while the device already runs the next shard and a thread
     tokenises the one after, so at most three shards are claimed per worker (one tokenising, one running, one
     committing); a failure aborts them (their claims are released, the data is garbage).
@@ -469,8 +414,7 @@ def fill_shards(store: Any, samples_for: Callable, pipeline: Any, report: Report
             with tl.stage("wait_tokenise", shard_id):
                 samples, extra = ready.result()
             nxt = next_claim(queue)
-            if nxt is not None:
-                ready = later(nxt[0]) if later is not None else tokenizer.submit(samples_for, nxt[0])
+            ready = tokenizer.submit(samples_for, nxt[0]) if nxt else None
             times.setdefault("first_forward", time.perf_counter())
             stats = pipeline.submit(samples, writer, shard_id)
             totals.add(stats)

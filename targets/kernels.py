@@ -190,7 +190,8 @@ def compile_layers(layers: Any, on: bool = True) -> None:
     the compiled layer, and the calls around them became frames of their own: a Qwen3-MoE layer compiled to 7
     graphs. They are removed before compiling (the layer's own hook, which output_hidden_states and the self-check
     read, stays), and the layer compiles to one graph: the compiled forward of a small Qwen3-MoE stack ran 1.74x
-    faster on the CPU (bench/RESULTS.md, 2026-12-06).
+    faster on the CPU (bench/RESULTS.md, 2026-12-06). A Gated DeltaNet layer compiles around its recurrent kernel
+    (targets/linear.py), which runs as it does eager.
     """
     import torch
 
@@ -199,10 +200,13 @@ def compile_layers(layers: Any, on: bool = True) -> None:
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(config, name):
                 setattr(config, name, max(int(getattr(config, name)), 64))
+    from . import linear
+
     for layer in layers:
         layer._compiled_call_impl = None
         if on:
             _drop_output_capture(layer)
+            linear.prepare(layer)  # Gated DeltaNet layers compile around their recurrent kernel
             layer.compile(dynamic=True)
 
 
@@ -382,7 +386,9 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
     it passed over and why.
     compile: "on", then the same with every decoder layer compiled (compile_layers), held to the same bound; where
     it fails to compile or differs more, the layers run eager again and a warning says why; "auto", the same unless
-    the target has Gated DeltaNet layers (their compiled start-up ran past 7 minutes on one H100); layers around flex
+    the target has Gated DeltaNet layers (compiled whole, flash-linear-attention's kernels traced with them, a
+    Qwen3.6-27B-shaped start-up ran past 7 minutes on one H100; they now compile around those kernels,
+    targets/linear.py, not yet measured on a GPU); layers around flex
     attention compile too (a gpt-oss-20b-shaped command over 1M tokens on one H100: 64,448 tok/s compiled against
     40,692 eager, its start-up 27 s longer, so even down to about 3M tokens); "off", never. warm: the
     (rows, length) of a batch of the run's size, the compiled layers' first call (warm_forward)."""
@@ -434,8 +440,8 @@ def choose(model: Any, text: Any, ids: Any, lengths: list[int], layer_ids: list[
             eager = None
             if compile == "auto" and "linear_attention" in kinds:
                 log.info("decoder layers run eager: --compile-layers auto leaves a target with Gated DeltaNet layers "
-                         "eager (compiled, a Qwen3.6-27B-shaped command on one H100 had not finished its start-up "
-                         "after 7 minutes; not measured faster); --compile-layers on compiles them")
+                         "eager (not yet measured faster on a GPU); --compile-layers on compiles them around their "
+                         "recurrent kernel")
             elif compile in ("on", "auto"):
                 eager = captured(got, layer_ids)
                 k, got, err = _compiled(model, text, ids, lengths, depth, ref, k, got, err, allowed(k), against,

@@ -521,10 +521,11 @@ def test_layers_that_do_not_compile_run_eager_with_a_warning(tiny_target, caplog
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe", "deepseek_v3", "qwen3_5"])
 def test_on_cuda_compiled_layers_are_exact_and_taken(arch, tiny_target, caplog):  # noqa: F811
     """On CUDA in bf16 the fastest kernels with every decoder layer compiled (flex for the sinks and windows inside
-    the compiled layers, dflash's grouped GEMMs), first called on a batch of the run's size as extract calls them,
+    the compiled layers, dflash's grouped GEMMs, Gated DeltaNet layers around flash-linear-attention's kernels where
+    the lent image has it), first called on a batch of the run's size as extract calls them,
     pass the self-check, and give the eager layers' features within bf16 rounding on a batch of another shape."""
     from dflash.targets.load import load_for_features
     from dflash.targets.runner import TargetRunner
@@ -541,6 +542,92 @@ def test_on_cuda_compiled_layers_are_exact_and_taken(arch, tiny_target, caplog):
     ids = torch.randint(0, 200, (2, 5 * TINY_WINDOW + 3), device=dev)
     for got, want in zip(runner.hidden(ids), eager.hidden(ids)):
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.05
+
+
+def test_the_shifted_convolution_is_transformers_causal_convolution():
+    """targets/linear.py's shifted_conv, what a compiled Gated DeltaNet layer runs in place of transformers' F.conv1d
+    fallback: the same causal depthwise convolution (bias or none, silu or none), eager and compiled, float32 to
+    float32 rounding; bf16 in, bf16 out within one rounding; an activation it does not know is an error."""
+    import torch.nn.functional as F
+
+    from dflash.targets.linear import shifted_conv
+
+    def reference(x, w, bias, activation):
+        out = F.conv1d(x, w.unsqueeze(1), bias, padding=w.shape[-1] - 1, groups=x.shape[1])[..., : x.shape[-1]]
+        return F.silu(out) if activation else out
+
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=gen) for s in ((2, 24, 37), (24, 4), (24,)))
+    compiled = torch.compile(shifted_conv, dynamic=True)
+    for bias in (None, b):
+        for activation in (None, "silu"):
+            want = reference(x, w, bias, activation)
+            torch.testing.assert_close(shifted_conv(x, w, bias, activation), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(compiled(x, w, bias, activation), want, rtol=1e-5, atol=1e-5)
+    got = shifted_conv(x.bfloat16(), w.bfloat16(), None, "silu")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), reference(x.bfloat16().float(), w.bfloat16().float(), None, "silu"),
+                               rtol=2 ** -8, atol=1e-2)
+    with pytest.raises(ValueError, match="activation 'gelu'"):
+        shifted_conv(x, w, None, "gelu")
+
+
+@pytest.mark.internals  # transformers' Gated DeltaNet module-level functions and dynamo's graph breaks
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_gated_deltanet_layers_compile_around_their_recurrent_kernel(arch, tiny_target, monkeypatch):  # noqa: F811
+    """compile_layers on a target with Gated DeltaNet layers: each layer's recurrent kernel (the chunked delta rule:
+    flash-linear-attention's Triton kernels on CUDA, whose tracing kept a Qwen3.6-27B-shaped layer compiling past
+    130 s) runs outside the compiled graphs, called once a layer a forward as eager; the convolution inside them is
+    shifted_conv; the model's hidden states are the eager layers' within float32 rounding; and an eager caller of
+    the modeling file's convolution still gets transformers' own."""
+    import sys
+
+    from dflash.targets import linear
+    from dflash.targets.adapter import text_model
+
+    model = _load(tiny_target(arch))
+    layers = text_model(model, "tiny").layers
+    gdn = [m for m in model.modules() if linear.is_linear_attention(m)]
+    assert gdn, f"the tiny {arch} has no Gated DeltaNet layer: this test checks nothing"
+    mod = sys.modules[type(gdn[0]).__module__]
+    chunk, conv = mod.torch_chunk_gated_delta_rule, mod.causal_conv1d_fn
+    calls = {"chunk": [], "conv": []}  # per call, whether torch.compile was tracing it (a replayed side effect
+    # of a traced call records True; a call outside the graphs, False)
+
+    def counted_chunk(*args, **kwargs):
+        calls["chunk"].append(torch.compiler.is_compiling())
+        return chunk(*args, **kwargs)
+
+    def counted_conv(*args, **kwargs):
+        calls["conv"].append(torch.compiler.is_compiling())
+        return conv(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", counted_chunk)
+    monkeypatch.setattr(mod, linear.CONV, counted_conv)
+    monkeypatch.setattr(mod, linear._MARK, False, raising=False)  # prepared afresh, undone after the test
+    ids = torch.randint(0, 200, (2, 45), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert calls == {"chunk": [False] * len(gdn), "conv": [False] * len(gdn)}, calls
+    torch._dynamo.reset()
+    kernels.compile_layers(layers)
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids, output_hidden_states=True)  # compiles
+            calls.update(chunk=[], conv=[])
+            got = model(input_ids=ids, output_hidden_states=True).hidden_states
+        # the kernel outside the graphs, once a layer; the convolution shifted_conv inside them
+        assert calls == {"chunk": [False] * len(gdn), "conv": []}, calls
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        x = torch.randn(1, gdn[0].conv_dim, 9)
+        weight = gdn[0].conv1d.weight.squeeze(1)
+        assert torch.equal(mod.causal_conv1d_fn(x, weight, None, activation="silu"),
+                           conv(x, weight, None, activation="silu"))
+    finally:
+        kernels.compile_layers(layers, on=False)
+        torch._dynamo.reset()
+
 
 
 def test_compile_layers_auto_leaves_gated_deltanet_targets_eager(tiny_target, caplog):  # noqa: F811

@@ -1,0 +1,98 @@
+"""Gated DeltaNet (linear-attention) layers under torch.compile: the layer compiles around its recurrent kernel.
+
+transformers' Gated DeltaNet layers (qwen3_5, qwen3_next and their MoE kin) call module-level functions of their
+modeling file: the chunked delta rule (flash-linear-attention's Triton kernels on CUDA where fla is installed,
+transformers' torch loop otherwise) and a causal depthwise convolution (the causal-conv1d package's kernel where
+installed, else F.conv1d). Compiled whole, torch traces into fla's autotuned Triton kernels and its autograd
+Function: a Qwen3.6-27B-shaped layer was still tracing after 130 s on one H100 (bench/RESULTS.md, 2026-12-06).
+`prepare` makes the recurrent kernels opaque to torch.compile (a graph break: they run as they do eager), so the
+rest of the layer compiles as any other (norms, gates, projections' epilogues, the MLP), and, where the
+convolution is transformers' F.conv1d fallback, gives the compiled graph the same convolution as K shifted
+multiply-adds in float32 that inductor fuses with its activation and the transposes around it into one pass
+(eager callers keep F.conv1d). Whether a target's compiled layers are used at all is the self-check's
+(kernels.choose: within the dtype's rounding of the eager float32 forward).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["RECURRENT", "CONV", "is_linear_attention", "prepare", "shifted_conv"]
+
+# The modeling files' module-level names a Gated DeltaNet layer calls its recurrent kernels by (transformers 5.x).
+RECURRENT = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "chunk_gated_delta_rule",
+             "fused_recurrent_gated_delta_rule")
+CONV = "causal_conv1d_fn"
+_MARK = "_dflash_compiles_around"
+
+
+def is_linear_attention(module: Any) -> bool:
+    """Return True for a transformers Gated DeltaNet module (its class name ends so in every family that has it)."""
+    return type(module).__name__.endswith("GatedDeltaNet")
+
+
+def shifted_conv(hidden_states: Any, weight: Any, bias: Any = None, activation: str | None = None, **_: Any) -> Any:
+    """transformers' causal_conv1d_fn (hidden_states [B, C, T], weight [C, K]: the depthwise causal convolution, then
+    the activation) as K shifted multiply-adds in float32, rounded once to the input's dtype."""
+    import torch
+
+    T, K = hidden_states.shape[-1], weight.shape[-1]
+    x = torch.nn.functional.pad(hidden_states, (K - 1, 0)).float()
+    w = weight.float()
+    out = x[..., K - 1:K - 1 + T] * w[:, K - 1:K]
+    for k in range(K - 1):
+        out = out + x[..., k:k + T] * w[:, k:k + 1]
+    if bias is not None:
+        out = out + bias.float()[:, None]
+    if activation in ("silu", "swish"):
+        out = torch.nn.functional.silu(out)
+    elif activation is not None:
+        raise ValueError(f"causal convolution activation {activation!r}: expected silu, swish or None")
+    return out.to(hidden_states.dtype)
+
+
+def _conv_kernel_installed() -> bool:
+    from importlib import util
+
+    return util.find_spec("causal_conv1d") is not None
+
+
+def prepare(layer: Any) -> int:
+    """Make the Gated DeltaNet modules' recurrent kernels in the layer opaque to torch.compile and, under
+    transformers' F.conv1d fallback, their compiled convolution shifted_conv; once per modeling file (their
+    module-level functions), leaving eager calls as they were. Return the Gated DeltaNet modules found."""
+    import torch
+
+    found = 0
+    for sub in layer.modules():
+        if not is_linear_attention(sub):
+            continue
+        found += 1
+        mod = sys.modules.get(type(sub).__module__)
+        if mod is None or getattr(mod, _MARK, False):
+            continue
+        for name in RECURRENT:
+            fn = getattr(mod, name, None)
+            if callable(fn):
+                setattr(mod, name, torch.compiler.disable(fn))
+        conv = getattr(mod, CONV, None)
+        if callable(conv):
+            setattr(mod, CONV, _conv_under_compile(conv, torch.compiler.disable(conv) if _conv_kernel_installed()
+                                                   else shifted_conv))
+        setattr(mod, _MARK, True)
+    return found
+
+
+def _conv_under_compile(eager: Any, compiled: Any) -> Any:
+    """Return a function that calls `compiled` while torch.compile traces it and `eager` otherwise."""
+    import functools
+
+    import torch
+
+    @functools.wraps(eager)
+    def conv(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return compiled(*args, **kwargs)
+        return eager(*args, **kwargs)
+
+    return conv

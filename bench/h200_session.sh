@@ -145,6 +145,8 @@
 #   PART 51: the run-to-run spread before any more host-side A/B: the Qwen3-30B-A3B command over 1M tokens beside its
 #           forward, then with the GIL handed over every 0.2 ms (SWITCH=0.0002), then the command again (A B A:
 #           parts 48 and 50 each ran their variants in one order, and the later runs were the faster)
+#   PART 52: the dense goal: bench/gdn_probe.py on 8 layers of the Qwen3.6-27B shape (eager; the depthwise conv fused;
+#           the layers compiled around flash-linear-attention's kernel; both), 8 x 2,048 then 4 x 4,096 tokens
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -439,6 +441,15 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
 48)
   fk fk48_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk46 --tokens 1000000 --features \
     --variants "--writer-threads 2;SWITCH=0.0002"
+  ;;
+52)
+  # the dense goal: where a Gated DeltaNet layer's forward goes (bench/gdn_probe.py: eager, the conv fused, the layers
+  # compiled around flash-linear-attention's kernel, both), 8 layers of the Qwen3.6-27B shape, then longer rows
+  timeout 330 python3 bench/gdn_probe.py --layers 8 --rows 8 --length 2048 > "$OUT/gdn52.txt" 2>&1
+  echo "gdn probe exit $?" >> "$OUT/gpu.txt"
+  timeout "$(left)" python3 bench/gdn_probe.py --layers 8 --rows 4 --length 4096 --variants eager,compiled+conv,compiled \
+    --trace none > "$OUT/gdn52b.txt" 2>&1
+  echo "gdn probe b exit $?" >> "$OUT/gpu.txt"
   ;;
 51)
   fk fk51_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk46 --tokens 1000000 --features \

@@ -88,7 +88,8 @@ class ExtractConfig(StageConfig):
         None, metavar="FILE",
         help="Write each worker's timeline as JSON to FILE: seconds of start-up (imports, device, model load, data, "
              "plan) and per shard (tokenise, pack, forward, copy, waits, compress, write+fsync, commit); on CUDA also "
-             "the device's time in each forward and idle between them (events, no synchronize: it runs as fast).")
+             "the device's time in each forward and idle between them (events, no synchronize: it runs as fast); "
+             "and one row a forward (shard, rows, length, tokens, its seconds) to find a run's slow batches.")
 
     def __post_init__(self) -> None:
         check(bool(self.data), "--data needs at least one file or folder")

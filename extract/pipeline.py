@@ -82,6 +82,8 @@ class _Work:
     shard: int | None = None
     started: Any = None  # the copy's start event, when profiling on CUDA
     forward: tuple[Any, Any] | None = None  # the forward's start and end events, when profiling on CUDA
+    shape: tuple[int, int] | None = None  # the forward's padded (rows, length)
+    host_s: float = 0.0  # the forward thread's seconds issuing the forward (and, on the CPU, running it)
 
 
 class _Thread:
@@ -283,7 +285,8 @@ class FeaturePipeline:
             lengths = [len(s.input_ids) for s in samples]
             batches = pack_batches(lengths, self.batch_tokens, floor_tokens=self.floor_tokens) if samples else []
         for idx in batches:
-            for batch, ids, lens, feats, scales, start, end in self._forwards([samples[i] for i in idx], shard):
+            for batch, ids, lens, feats, scales, start, end, host_s in self._forwards([samples[i] for i in idx],
+                                                                                     shard):
                 stats.padded_tokens += ids.numel()
                 w0 = time.perf_counter()
                 slot = self._free.get()
@@ -297,6 +300,7 @@ class FeaturePipeline:
                 with self._stage("forward", shard):  # issuing the copy (asynchronous on CUDA)
                     work = self._to_host(batch, feats, scales, slot, sink, shard)
                     work.forward = (start, end) if start is not None else None
+                    work.shape, work.host_s = (int(ids.shape[0]), int(ids.shape[1])), host_s
                     self._work.put(work)
                 stats.batches += 1
                 stats.samples += len(batch)
@@ -310,9 +314,9 @@ class FeaturePipeline:
         return stats
 
     def _forwards(self, batch: list[Sample], shard: int | None) -> Any:
-        """Yield (samples, ids, lengths, features, scales, start, end) for a batch: one forward, or, where the device
-        runs out of memory, forwards of halves of it (down to one row each); a row that does not fit alone is a
-        ResourceError. Nothing of a forward that failed reached a sink, so nothing is written twice. Features are
+        """Yield (samples, ids, lengths, features, scales, start, end, host seconds) for a batch: one forward, or,
+        where the device runs out of memory, forwards of halves of it (down to one row each); a row that does not fit
+        alone is a ResourceError. Nothing of a forward that failed reached a sink, so nothing is written twice. Features are
         bf16 with scales None, or the codec's codes and their scales when this pipeline encodes them."""
         pending = [batch]
         while pending:
@@ -323,6 +327,7 @@ class FeaturePipeline:
                 pending[:0] = [part[: len(part) // 2], part[len(part) // 2:]]
                 continue
             try:
+                h0 = time.perf_counter()
                 with self._stage("forward", shard):
                     start = self._event()
                     if self._fake_oom is not None and ids.numel() > self._fake_oom:
@@ -338,7 +343,7 @@ class FeaturePipeline:
                 self._out_of_memory(part, ids, e)
                 pending[:0] = [part[: len(part) // 2], part[len(part) // 2:]]
                 continue
-            yield part, ids, lens, feats, scales, start, end
+            yield part, ids, lens, feats, scales, start, end, time.perf_counter() - h0
 
     def _out_of_memory(self, part: list[Sample], ids: torch.Tensor, error: BaseException) -> None:
         """Note a forward that ran out of memory: smaller forwards from now on, or a ResourceError for one row."""
@@ -487,6 +492,10 @@ class FeaturePipeline:
                             times["device_idle"] = max(0.0, self._last_end.elapsed_time(start) / 1000.0)
                         self._last_end = end
                     self.timeline.add_many(item.shard, times)
+                    if item.shape is not None:
+                        self.timeline.add_batch(
+                            shard=item.shard, rows=item.shape[0], length=item.shape[1], tokens=item.tokens,
+                            host_forward_s=item.host_s, **{f"{k}_s": v for k, v in times.items()})
                 if self.on_batch is not None:
                     self.on_batch(len(item.batch), item.tokens)
             except BaseException as e:  # handed to the forward loop, which re-raises it in its own thread

@@ -15,7 +15,8 @@ import threading
 import time
 from typing import Any, Iterator
 
-__all__ = ["Timeline", "process_start", "MAIN_ORDER", "STARTUP_BACKGROUND", "format_line", "write_profile"]
+__all__ = ["Timeline", "process_start", "MAIN_ORDER", "MAX_BATCHES", "STARTUP_BACKGROUND", "format_line",
+           "write_profile"]
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,8 @@ log = logging.getLogger(__name__)
 MAIN_ORDER = ("python", "import_torch", "import_transformers", "import_storage", "import_dflash", "model_config",
               "devices", "read", "plan", "store", "tokenizer", "device_init", "model_wait", "model_load", "runner",
               "host_buffers", "claim", "wait_tokenise", "pack", "forward", "wait_buffer", "drain", "summary")
+# The per-forward rows a timeline keeps (about 100 bytes each in the profile's JSON: 10 MB at most).
+MAX_BATCHES = 100_000
 # Per-shard parts of the main thread (these sum to wall with the start-up ones) and of the threads beside it.
 SHARD_MAIN = ("claim", "wait_tokenise", "pack", "forward", "wait_buffer")
 # Start-up work beside the main thread: the target's weight files read into the page cache from the start
@@ -54,6 +57,10 @@ class Timeline:
         self.main: dict[str, float] = {}
         self.shards: dict[int, dict[str, float]] = {}
         self.side: dict[str, float] = {}
+        # One row a forward (add_batch): its shape and seconds, so a run's slow batches can be found and each batch
+        # set beside the same batch's bare forward (bench/forward_kernels.py); the first MAX_BATCHES are kept.
+        self.batches: list[dict[str, Any]] = []
+        self.batches_dropped = 0
         self._lock = threading.Lock()
         self._last = time.perf_counter()
         self.add("python", self._last - self.origin)  # interpreter start and the command line's own imports
@@ -69,6 +76,14 @@ class Timeline:
                 row[name] = row.get(name, 0.0) + seconds
             if main and (shard is None or name in SHARD_MAIN):
                 self.main[name] = self.main.get(name, 0.0) + seconds
+
+    def add_batch(self, **row: Any) -> None:
+        """Record one forward's row (shard, rows, length, tokens, its seconds: see FeaturePipeline._write_loop)."""
+        with self._lock:
+            if len(self.batches) < MAX_BATCHES:
+                self.batches.append({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()})
+            else:
+                self.batches_dropped += 1
 
     def add_many(self, shard: int, seconds: dict[str, float]) -> None:
         """Add background seconds (name -> s) to a shard's row."""
@@ -92,6 +107,7 @@ class Timeline:
             main = dict(self.main)
             shards = {k: dict(v) for k, v in self.shards.items()}
             side = dict(self.side)
+            batches, dropped = list(self.batches), self.batches_dropped
         wall = end - self.origin
         names = [n for n in MAIN_ORDER if n in main] + sorted(set(main) - set(MAIN_ORDER))
         parts = {n: round(main[n], 4) for n in names}
@@ -104,7 +120,8 @@ class Timeline:
         rows = [{"shard": sid, **{n: round(s, 4) for n, s in sorted(row.items())}} for sid, row in sorted(shards.items())]
         return {**extra, "wall_s": round(wall, 4), "parts_sum_s": round(total, 4),
                 "unaccounted_s": round(wall - total, 4), "parts": parts,
-                "background": {n: round(s, 4) for n, s in sorted(background.items())}, "shards": rows}
+                "background": {n: round(s, 4) for n, s in sorted(background.items())}, "shards": rows,
+                "batches": batches, **({"batches_dropped": dropped} if dropped else {})}
 
 
 def _group(parts: dict[str, float]) -> tuple[float, float, float]:

@@ -40,4 +40,13 @@ def test_profile_parts_sum_to_wall(tmp_path: Path) -> None:
     for r in rows.values():
         for part in ("tokenise", "forward", "sink", "compress", "write_fsync", "commit"):
             assert r.get(part, 0) > 0, (part, r)
+    # One row a forward: its shape, its tokens (every committed token once) and the forward thread's seconds in it,
+    # which the forward stage holds with the copies it issued.
+    batches = w["batches"]
+    assert batches and "batches_dropped" not in w
+    assert sum(b["tokens"] for b in batches) == sum(store.commit_record(i)["num_tokens"] for i in store.committed_ids())
+    for b in batches:
+        assert b["shard"] in rows and 0 < b["tokens"] <= b["rows"] * b["length"] and b["host_forward_s"] > 0, b
+        assert b["sink_s"] >= 0 and b["copy_s"] >= 0, b
+    assert sum(b["host_forward_s"] for b in batches) <= w["parts"]["forward"] + 1e-3
     assert "timeline cpu: wall" in done.stderr and "beside it: target load (model_prefetch" in done.stderr

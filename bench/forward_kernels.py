@@ -105,24 +105,65 @@ def trace_forward(runner: Any, ids: torch.Tensor, device: torch.device, label: s
           + table.table(sort_by=key, row_limit=25), flush=True)
 
 
-def features_pass(runner: Any, batches: list, device: torch.device, codec: str | None) -> int:
+def features_pass(runner: Any, batches: list, device: torch.device, codec: str | None) -> tuple[int, list[float]]:
     """Return the tok/s of a warm pass over the batches as extract's forward loop runs each on the device: the
     forward, the real tokens' features gathered (TargetRunner.features) and, under a scaled codec on CUDA, encoded
-    (pipeline.encode_features), no copy to the host. Its ratio to the bare forward is the device's share of the
-    command's work beyond the forward; the command's own ratio to it, what the rest of the command costs."""
+    (pipeline.encode_features), no copy to the host; and each batch's seconds (CUDA events around each, as the
+    command's --profile times its forwards, no synchronize between them; on the CPU its wall time). Its ratio to the
+    bare forward is the device's share of the command's work beyond the forward; the command's own ratio to it,
+    what the rest of the command costs, and batch_by_batch says in which batches."""
     from dflash.extract.pipeline import encode_features
     from dflash.storage.codec import SCALED_CODECS
 
     encode = codec in SCALED_CODECS and device.type == "cuda"
+    cuda = device.type == "cuda"
     tokens = sum(sum(lens) for _, lens in batches)
+    marks: list[Any] = []
     _sync(device)
     t0 = time.perf_counter()
     for ids, lens in batches:
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        b0 = time.perf_counter()
         feats = runner.features(ids.to(device, non_blocking=True), lens)
         if encode:
             encode_features(feats, codec)
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            marks.append((start, end))
+        else:
+            marks.append(time.perf_counter() - b0)
     _sync(device)
-    return round(tokens / (time.perf_counter() - t0))
+    rate = round(tokens / (time.perf_counter() - t0))
+    return rate, [m[0].elapsed_time(m[1]) / 1e3 if cuda else m for m in marks]
+
+
+def batch_by_batch(command_batches: list[dict], bench: list[float], shapes: list[tuple[int, int]]) -> dict | None:
+    """Return the command's forwards (its --profile rows: the device's time on CUDA, else the forward thread's) set
+    beside the bench's warm features pass over the same batches, batch by batch: totals, the ratio's spread, the
+    first batches' excess, and the batches with the most excess; None where the two ran other batches."""
+    key = "forward_device_s" if command_batches and "forward_device_s" in command_batches[0] else "host_forward_s"
+    got = [(b["rows"], b["length"]) for b in command_batches]
+    if got != shapes or len(bench) != len(shapes):
+        return {"matched": False, "command_batches": len(got), "bench_batches": len(shapes)}
+    cmd = [b[key] for b in command_batches]
+    ratios = sorted(c / max(w, 1e-9) for c, w in zip(cmd, bench))
+    excess = [c - w for c, w in zip(cmd, bench)]
+    worst = sorted(range(len(excess)), key=lambda i: -excess[i])[:5]
+    q = lambda f: round(ratios[min(len(ratios) - 1, int(f * len(ratios)))], 3)  # noqa: E731
+    return {"matched": True, "timed_by": key, "batches": len(cmd), "command_s": round(sum(cmd), 3),
+            "bench_s": round(sum(bench), 3), "ratio": round(sum(cmd) / max(sum(bench), 1e-9), 3),
+            "ratio_p10_p50_p90": [q(0.1), q(0.5), q(0.9)], "excess_first_10_s": round(sum(excess[:10]), 3),
+            "excess_rest_s": round(sum(excess[10:]), 3),
+            "worst": [{"batch": i, "shape": list(shapes[i]), "command_s": round(cmd[i], 4),
+                       "bench_s": round(bench[i], 4)} for i in worst]}
+
+
+def _shown(row: dict) -> dict:
+    """Return a forward's row without its per-batch lists (batch_by_batch reads them)."""
+    return {k: v for k, v in row.items() if k not in ("features_batch_s", "batch_shapes")}
 
 
 def parse_also(spec: str) -> tuple[Any, bool]:
@@ -190,7 +231,9 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
                 _sync(device)
                 row[f"{name_}_tok_s"] = round(tokens / (time.perf_counter() - t0))
             if features and floor == 0 and (k, compiled) in tried:
-                row["features_tok_s"] = features_pass(runner, batches, device, header.get("codec"))
+                row["features_tok_s"], row["features_batch_s"] = features_pass(runner, batches, device,
+                                                                               header.get("codec"))
+                row["batch_shapes"] = [tuple(ids.shape) for ids, _ in batches]
             if trace and floor == floors[0]:
                 trace_forward(runner, batches[0][0], device, row["kernels"])
         except Exception as e:  # noqa: BLE001 - out of memory (batched experts), a kernel this machine lacks
@@ -198,13 +241,13 @@ def forward_by_kernels(folder: Path, data: Path, store: Path, device: torch.devi
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             out.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps(_shown(row)), flush=True)
             continue
         rate = flops * row["warm_tok_s"] / tokens
         row["tflops_per_s"] = round(rate / 1e12, 2)
         row["mfu"] = round(rate / peak, 4) if peak else None
         out.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps(_shown(row)), flush=True)
     # The variants run the command again on this GPU: this process must give its target back first (on 2026-12-06
     # a variant found 45.7 of 80 GB free with the gpt-oss-20b shape's 42 GB still held here, and streamed its
     # weights from the host). torch.compile's caches hold the compiled layers, and through them the weights.
@@ -237,8 +280,14 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     # the command's own packing and kernel choices: what extract could have run
     done = [f for f in forwards if "warm_tok_s" in f and not f.get("floor_tokens") and not f.get("also")]
     best = max(done, key=lambda f: f["warm_tok_s"]) if done else None
+    beside = None
+    if best and best.get("features_batch_s") and cmd["timeline"] is not None:
+        beside = batch_by_batch(cmd["timeline"].get("batches", []), best["features_batch_s"], best["batch_shapes"])
+        print(json.dumps({"case": name, "command_batch_by_batch": beside}), flush=True)
+    forwards = [_shown(f) for f in forwards]
+    best = _shown(best) if best else best
     out = {"case": name, "command": {"steady_tok_s": cmd["steady_tok_s"], "wall_s": round(cmd["wall_s"], 1),
-                                     **said}, "forwards": forwards, "best": best}
+                                     **said}, "forwards": forwards, "best": best, "batch_by_batch": beside}
     if best:
         out["command_over_best_forward"] = round(cmd["steady_tok_s"] / best["warm_tok_s"], 3)
         if args.variants:

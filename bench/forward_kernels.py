@@ -280,9 +280,14 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     # the command's own packing and kernel choices: what extract could have run
     done = [f for f in forwards if "warm_tok_s" in f and not f.get("floor_tokens") and not f.get("also")]
     best = max(done, key=lambda f: f["warm_tok_s"]) if done else None
-    beside = None
-    if best and best.get("features_batch_s") and cmd["timeline"] is not None:
-        beside = batch_by_batch(cmd["timeline"].get("batches", []), best["features_batch_s"], best["batch_shapes"])
+    beside, compare = None, None
+    if best and best.get("features_batch_s"):
+        lists = best["features_batch_s"], best["batch_shapes"]
+
+        def compare(timeline: dict | None) -> dict | None:  # a run of the command beside the bench's pass
+            return batch_by_batch(timeline.get("batches", []), *lists) if timeline is not None else None
+
+        beside = compare(cmd["timeline"])
         print(json.dumps({"case": name, "command_batch_by_batch": beside}), flush=True)
     forwards = [_shown(f) for f in forwards]
     best = _shown(best) if best else best
@@ -292,7 +297,7 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
         out["command_over_best_forward"] = round(cmd["steady_tok_s"] / best["warm_tok_s"], 3)
         if args.variants:
             out["variants"] = bt.run_variants(folder, data, work, "cpu" if args.smoke else "0", args.variants,
-                                              best["warm_tok_s"], flags)
+                                              best["warm_tok_s"], flags, compare)
     return out
 
 

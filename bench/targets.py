@@ -228,11 +228,12 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def run_variants(folder: Path, data: Path, work: Path, gpus: str, variants: str, forward_tok_s: float,
-                 flags: list[str] | None = None) -> list[dict]:
+                 flags: list[str] | None = None, compare: Any = None) -> list[dict]:
     """Run the command again once per ';'-separated variant, to find where its time goes beside the same forward:
     each variant's words are extra extract flags, or NAME=VALUE set in the command's environment (SWITCH=s: the
     interpreter's GIL hand-over interval in seconds; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching
-    allocator's mode). Return each run's figures (printed as it ends), its steady tok/s over forward_tok_s."""
+    allocator's mode). Return each run's figures (printed as it ends), its steady tok/s over forward_tok_s, and
+    compare(its --profile timeline) where given (bench/forward_kernels.py: its forwards batch by batch)."""
     out = []
     for variant in filter(None, variants.split(";")):
         words = variant.split()
@@ -255,6 +256,8 @@ def run_variants(folder: Path, data: Path, work: Path, gpus: str, variants: str,
                     "steady_over_forward": round(again["steady_tok_s"] / forward_tok_s, 3),
                     "triton_kernels_compiled": compiled["triton_kernels_compiled"],
                     "autotunings": compiled["autotunings"], "autotune_s": compiled["autotune_s"]})
+        if compare is not None:
+            out[-1]["batch_by_batch"] = compare(again["timeline"])
         print(json.dumps(out[-1]), flush=True)
         if again["timeline"] is not None:
             print(bx.timeline_totals(again["timeline"]), flush=True)

@@ -147,6 +147,8 @@
 #           parts 48 and 50 each ran their variants in one order, and the later runs were the faster)
 #   PART 52: the dense goal: bench/gdn_probe.py on 8 layers of the Qwen3.6-27B shape (eager; the depthwise conv fused;
 #           the layers compiled around flash-linear-attention's kernel; both), 8 x 2,048 then 4 x 4,096 tokens
+#   PART 53: the dense goal through the command: the Qwen3.6-27B shape over 200K tokens, layers compiled around
+#           flash-linear-attention's kernels (--compile-layers on), beside its forward, then eager (the variant)
 #   PART 15: issue 44 with targets/experts.py among extract's kernels (first on CUDA since 2026-12-05): the
 #           Qwen3-30B-A3B and DeepSeek-V3 shapes' commands beside their chosen forwards, then `pytest -m gpu
 #           tests/test_kernels.py` (the self-check takes dflash_grouped_mm for the tiny MoE targets)
@@ -451,6 +453,13 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
     --trace none > "$OUT/gdn52b.txt" 2>&1
   echo "gdn probe b exit $?" >> "$OUT/gpu.txt"
   ;;
+53)
+  # the dense shape's command with its layers compiled around flash-linear-attention's kernels (2d50988), beside
+  # its compiled forward, then the eager command (--compile-layers auto's choice for it today) on the same batches;
+  # 200K tokens, so fla's first-batch compilations (76 s on a fresh machine, part 32) fall in the first run
+  fk fk53_dense "$(left)" qwen36_27b --work /tmp/fk53 --tokens 200000 --compile-layers on --features \
+    --variants "--compile-layers off"
+  ;;
 51)
   fk fk51_qwen3 "$(left)" qwen3_30b_a3b --work /tmp/fk46 --tokens 1000000 --features \
     --variants "SWITCH=0.0002;BENCH_AGAIN=1"
@@ -488,6 +497,6 @@ BENCH_DYNAMIC_FIRST=1 TORCHINDUCTOR_CACHE_DIR=/tmp/fk25/i2 TRITON_CACHE_DIR=/tmp
   ;;
 esac
 date -u >> "$OUT/gpu.txt"
-for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk34 /tmp/fk36 /tmp/fk37 /tmp/fk40 /tmp/fk41 /tmp/fk42 /tmp/fk43 /tmp/fk46 /tmp/fk46g /tmp/fk47 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
+for f in $(find /tmp/boom /tmp/fk /tmp/fkc /tmp/fk20 /tmp/fk21 /tmp/fk22 /tmp/fk23 /tmp/fk24 /tmp/fk25 /tmp/fk26 /tmp/fk27 /tmp/fk28 /tmp/fk29 /tmp/fk34 /tmp/fk36 /tmp/fk37 /tmp/fk40 /tmp/fk41 /tmp/fk42 /tmp/fk43 /tmp/fk46 /tmp/fk46g /tmp/fk47 /tmp/fk53 /tmp/fk-uq6 /tmp/fk-blosc /tmp/bo -name '*.log' \
            -size -4000k 2>/dev/null); do cp "$f" "$OUT/$(echo "${f#/tmp/}" | tr / _)"; done
 exit 0

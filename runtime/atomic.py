@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
 from typing import Iterable
@@ -58,9 +59,21 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, *, suffix: str = ".
     """Replace `path` with `data` (str is written as UTF-8); a crash leaves the old file or the new one, never half.
 
     The temp file sits beside `path` (`.NAME.TAG.RANDOM` + suffix, TAG the pid unless given) and is removed if the
-    write fails.
+    write fails. Where `path` is a symbolic link, the file it names is replaced and the link kept; where it is a
+    device, a pipe or a socket (`--profile /dev/stdout`), the data is written to it, which is never replaced.
     """
     path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        # A device, a pipe or a socket (/dev/null, /dev/stdout, a FIFO): written to, never replaced by a file,
+        # which as root would have put a regular file where /dev/null was.
+        _write_through(path, data)
+        return
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))  # the file a link names is replaced, the link kept
     tmp = path.with_name(f".{path.name}.{tag or os.getpid()}.{uuid.uuid4().hex[:8]}{suffix}")
     try:
         write_durable(tmp, data)
@@ -69,6 +82,23 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, *, suffix: str = ".
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def _write_through(path: Path, data: bytes | str) -> None:
+    """Write data to an existing device, pipe or socket as it is (no temp file: there is nothing to replace)."""
+    view = memoryview(data.encode("utf-8") if isinstance(data, str) else data).cast("B")
+    fd = os.open(os.fspath(path), os.O_WRONLY)
+    try:
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        try:
+            os.fsync(fd)
+        except OSError as e:  # a device or pipe without a notion of durability
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EROFS):
+                raise
+    finally:
+        os.close(fd)
 
 
 def fsync_tree(root: str | os.PathLike) -> None:

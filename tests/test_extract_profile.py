@@ -50,3 +50,56 @@ def test_profile_parts_sum_to_wall(tmp_path: Path) -> None:
         assert b["sink_s"] >= 0 and b["copy_s"] >= 0, b
     assert sum(b["host_forward_s"] for b in batches) <= w["parts"]["forward"] + 1e-3
     assert "timeline cpu: wall" in done.stderr and "beside it: target load (model_prefetch" in done.stderr
+
+
+def test_an_atomic_write_to_a_pipe_or_a_link_writes_through_and_replaces_no_special_file(tmp_path: Path) -> None:
+    """write_atomic (every --profile, metrics and record file): a path that is a FIFO (as /dev/stdout is under a
+    pipe, or /dev/null a device) gets the data written to it and stays what it was; a temp file renamed over it
+    had put a regular file in /dev/null's place as root. A symbolic link keeps pointing at its file, which is
+    replaced whole."""
+    import threading
+
+    from dflash.runtime.atomic import write_atomic
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    write_atomic(fifo, '{"version": 1}\n')
+    reader.join(timeout=30)
+    assert fifo.is_fifo(), "the pipe was replaced by a regular file"
+    assert got == [b'{"version": 1}\n']
+    assert [p.name for p in tmp_path.iterdir()] == ["fifo"]  # no temp file left beside it
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    write_atomic(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+
+
+def test_profile_to_a_pipe(tmp_path: Path) -> None:
+    """`--profile` naming a pipe (what /dev/stdout is under `| jq`): the timeline's JSON comes through it, exit 0,
+    and the pipe is still a pipe."""
+    import threading
+
+    model = build_tiny_target(tmp_path / "model")
+    data = write_conversations(tmp_path / "data.jsonl", 12, bad={})
+    fifo = tmp_path / "profile.fifo"
+    os.mkfifo(fifo)
+    cmd = [sys.executable, "-m", "dflash.cli", "extract", "--model", str(model), "--data", str(data), "--out",
+           str(tmp_path / "store"), "--gpus", "cpu", "--shard-size", "6", "--max-length", "256",
+           "--min-loss-tokens", "4", "--dtype", "float32", "--profile", str(fifo)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()  # its open blocks until the command opens the pipe to write its timeline
+    err = proc.communicate(timeout=300)[1]
+    reader.join(timeout=30)
+    assert proc.returncode == 0, err[-3000:]
+    assert fifo.is_fifo(), "the pipe was replaced by a regular file"
+    assert got, "nothing came through the pipe"
+    doc = json.loads(got[0])
+    assert doc["version"] == 1 and doc["workers"][0]["batches"]

@@ -140,10 +140,11 @@ def features_pass(runner: Any, batches: list, device: torch.device, codec: str |
     return rate, [m[0].elapsed_time(m[1]) / 1e3 if cuda else m for m in marks]
 
 
-def batch_by_batch(command_batches: list[dict], bench: list[float], shapes: list[tuple[int, int]]) -> dict | None:
+def batch_by_batch(command_batches: list[dict], bench: list[float], shapes: list[tuple[int, int]]) -> dict:
     """Return the command's forwards (its --profile rows: the device's time on CUDA, else the forward thread's) set
     beside the bench's warm features pass over the same batches, batch by batch: totals, the ratio's spread, the
-    first batches' excess, and the batches with the most excess; None where the two ran other batches."""
+    first batches' excess, and the batches with the most excess; {"matched": False, ...} where the two ran other
+    batches."""
     key = "forward_device_s" if command_batches and "forward_device_s" in command_batches[0] else "host_forward_s"
     got = [(b["rows"], b["length"]) for b in command_batches]
     if got != shapes or len(bench) != len(shapes):

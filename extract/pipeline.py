@@ -285,8 +285,8 @@ class FeaturePipeline:
             lengths = [len(s.input_ids) for s in samples]
             batches = pack_batches(lengths, self.batch_tokens, floor_tokens=self.floor_tokens) if samples else []
         for idx in batches:
-            for batch, ids, lens, feats, scales, start, end, host_s in self._forwards([samples[i] for i in idx],
-                                                                                     shard):
+            parts = self._forwards([samples[i] for i in idx], shard)
+            for batch, ids, lens, feats, scales, start, end, host_s in parts:
                 stats.padded_tokens += ids.numel()
                 w0 = time.perf_counter()
                 slot = self._free.get()
@@ -316,9 +316,11 @@ class FeaturePipeline:
     def _forwards(self, batch: list[Sample], shard: int | None) -> Any:
         """Yield (samples, ids, lengths, features, scales, start, end, host seconds) for a batch: one forward, or,
         where the device runs out of memory, forwards of halves of it (down to one row each); a row that does not fit
-        alone is a ResourceError. Nothing of a forward that failed reached a sink, so nothing is written twice. Features are
-        bf16 with scales None, or the codec's codes and their scales when this pipeline encodes them."""
+        alone is a ResourceError. The host seconds of a forward that ran out of memory go to the next one yielded.
+        Nothing of a forward that failed reached a sink, so nothing is written twice. Features are bf16 with scales
+        None, or the codec's codes and their scales when this pipeline encodes them."""
         pending = [batch]
+        lost = 0.0  # seconds of forwards that ran out of memory, not yet in a yielded one's
         while pending:
             part = pending.pop(0)
             with self._stage("pack", shard):
@@ -341,9 +343,11 @@ class FeaturePipeline:
                 if not is_out_of_memory(e):
                     raise
                 self._out_of_memory(part, ids, e)
+                lost += time.perf_counter() - h0
                 pending[:0] = [part[: len(part) // 2], part[len(part) // 2:]]
                 continue
-            yield part, ids, lens, feats, scales, start, end, time.perf_counter() - h0
+            host_s, lost = time.perf_counter() - h0 + lost, 0.0
+            yield part, ids, lens, feats, scales, start, end, host_s
 
     def _out_of_memory(self, part: list[Sample], ids: torch.Tensor, error: BaseException) -> None:
         """Note a forward that ran out of memory: smaller forwards from now on, or a ResourceError for one row."""
@@ -492,7 +496,7 @@ class FeaturePipeline:
                             times["device_idle"] = max(0.0, self._last_end.elapsed_time(start) / 1000.0)
                         self._last_end = end
                     self.timeline.add_many(item.shard, times)
-                    if item.shape is not None:
+                    if self.profile and item.shape is not None:  # the rows are --profile's alone
                         self.timeline.add_batch(
                             shard=item.shard, rows=item.shape[0], length=item.shape[1], tokens=item.tokens,
                             host_forward_s=item.host_s, **{f"{k}_s": v for k, v in times.items()})

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 MAIN_ORDER = ("python", "import_torch", "import_transformers", "import_storage", "import_dflash", "model_config",
               "devices", "read", "plan", "store", "tokenizer", "device_init", "model_wait", "model_load", "runner",
               "host_buffers", "claim", "wait_tokenise", "pack", "forward", "wait_buffer", "drain", "summary")
-# The per-forward rows a timeline keeps (about 100 bytes each in the profile's JSON: 10 MB at most).
+# The per-forward rows a --profile timeline keeps (170-270 bytes each in the profile's JSON: 17-27 MB at most).
 MAX_BATCHES = 100_000
 # Per-shard parts of the main thread (these sum to wall with the start-up ones) and of the threads beside it.
 SHARD_MAIN = ("claim", "wait_tokenise", "pack", "forward", "wait_buffer")

@@ -17,12 +17,15 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["RECURRENT", "CONV", "is_linear_attention", "prepare", "shifted_conv"]
+__all__ = ["RECURRENT", "CONV", "PACKED", "is_linear_attention", "prepare", "shifted_conv"]
 
-# The modeling files' module-level names a Gated DeltaNet layer calls its recurrent kernels by (transformers 5.x).
+# The names a Gated DeltaNet layer calls its recurrent kernels by in its modeling file (transformers 5.17-5.25 have
+# the first two; the others are fla's own names, wrapped too should a release import them under them).
 RECURRENT = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "chunk_gated_delta_rule",
              "fused_recurrent_gated_delta_rule")
 CONV = "causal_conv1d_fn"
+# The convolution's keywords for packed rows (several samples a row), which shifted_conv does not keep apart.
+PACKED = ("seq_idx", "cu_seqlens", "cu_seq_lens_q")
 _MARK = "_dflash_compiles_around"
 
 
@@ -52,15 +55,18 @@ def shifted_conv(hidden_states: Any, weight: Any, bias: Any = None, activation: 
 
 
 def _conv_kernel_installed() -> bool:
-    from importlib import util
-
-    return util.find_spec("causal_conv1d") is not None
+    """Return True where the causal-conv1d package imports (what transformers takes for the convolution)."""
+    try:
+        import causal_conv1d  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent, or built for another torch: transformers falls back as well
+        return False
+    return True
 
 
 def prepare(layer: Any) -> int:
     """Make the Gated DeltaNet modules' recurrent kernels in the layer opaque to torch.compile and, under
     transformers' F.conv1d fallback, their compiled convolution shifted_conv; once per modeling file (their
-    module-level functions), leaving eager calls as they were. Return the Gated DeltaNet modules found."""
+    module-level functions), leaving eager calls as they were. Return how many Gated DeltaNet modules it found."""
     import torch
 
     found = 0
@@ -84,14 +90,18 @@ def prepare(layer: Any) -> int:
 
 
 def _conv_under_compile(eager: Any, compiled: Any) -> Any:
-    """Return a function that calls `compiled` while torch.compile traces it and `eager` otherwise."""
+    """Return a function that calls `compiled` while torch.compile traces it and `eager` otherwise, and eager
+    always where the call asks for what shifted_conv does not do (packed rows: seq_idx, cu_seqlens; an activation
+    other than SiLU), so that transformers' own checks and kernels see those calls."""
     import functools
 
     import torch
 
     @functools.wraps(eager)
     def conv(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        activation = args[3] if len(args) > 3 else kwargs.get("activation")
+        plain = activation in (None, "silu", "swish") and all(kwargs.get(k) is None for k in PACKED)
+        if plain and torch.compiler.is_compiling():
             return compiled(*args, **kwargs)
         return eager(*args, **kwargs)
 

@@ -47,8 +47,10 @@ def test_profile_parts_sum_to_wall(tmp_path: Path) -> None:
     assert sum(b["tokens"] for b in batches) == sum(store.commit_record(i)["num_tokens"] for i in store.committed_ids())
     for b in batches:
         assert b["shard"] in rows and 0 < b["tokens"] <= b["rows"] * b["length"] and b["host_forward_s"] > 0, b
-        assert b["sink_s"] >= 0 and b["copy_s"] >= 0, b
-    assert sum(b["host_forward_s"] for b in batches) <= w["parts"]["forward"] + 1e-3
+        assert "sink_s" in b and "copy_s" in b, b
+    # on the CPU the forward stage is the forwards themselves (the copies are no work): nothing lost, nothing twice
+    host = sum(b["host_forward_s"] for b in batches)
+    assert 0.8 * w["parts"]["forward"] <= host <= w["parts"]["forward"] + 1e-3, (host, w["parts"]["forward"])
     assert "timeline cpu: wall" in done.stderr and "beside it: target load (model_prefetch" in done.stderr
 
 

@@ -572,8 +572,31 @@ def test_the_shifted_convolution_is_transformers_causal_convolution():
         shifted_conv(x, w, None, "gelu")
 
 
+def test_the_compiled_convolution_is_taken_only_for_what_it_does():
+    """The convolution prepare installs runs its compiled form only while torch.compile traces a plain call (no
+    packed rows, SiLU or no activation); packed rows (seq_idx, cu_seqlens) and other activations reach transformers'
+    own function, compiled or not, and so does every eager call."""
+    from dflash.targets.linear import PACKED, _conv_under_compile
+
+    def eager(x, w, bias=None, activation=None, **kwargs):
+        return x + 1
+
+    def compiled(x, w, bias=None, activation=None, **kwargs):
+        return x + 2
+
+    conv = _conv_under_compile(eager, compiled)
+    x, w = torch.zeros(1, 3, 5), torch.zeros(3, 4)
+    cases = [({"activation": "silu"}, 2), ({"activation": None}, 2), ({"activation": "swish"}, 2),
+             ({"activation": "relu"}, 1)] + [({"activation": "silu", k: torch.zeros(1, 5)}, 1) for k in PACKED]
+    for kwargs, want in cases:
+        assert float(conv(x, w, None, **kwargs).mean()) == 1  # eager: transformers' own
+        got = torch.compile(lambda t, kw=kwargs: conv(t, w, None, **kw), dynamic=True)(x)
+        assert float(got.mean()) == want, kwargs
+    assert float(torch.compile(lambda t: conv(t, w, None, "relu"))(x).mean()) == 1  # positional activation
+
+
 @pytest.mark.internals  # transformers' Gated DeltaNet module-level functions and dynamo's graph breaks
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_gated_deltanet_layers_compile_around_their_recurrent_kernel(arch, tiny_target, monkeypatch):  # noqa: F811
     """compile_layers on a target with Gated DeltaNet layers: each layer's recurrent kernel (the chunked delta rule:
     flash-linear-attention's Triton kernels on CUDA, whose tracing kept a Qwen3.6-27B-shaped layer compiling past
@@ -602,6 +625,9 @@ def test_gated_deltanet_layers_compile_around_their_recurrent_kernel(arch, tiny_
         calls["conv"].append(torch.compiler.is_compiling())
         return conv(*args, **kwargs)
 
+    for name in linear.RECURRENT:  # every name prepare wraps, so that the wrapping is undone after the test
+        if hasattr(mod, name):
+            monkeypatch.setattr(mod, name, getattr(mod, name))
     monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", counted_chunk)
     monkeypatch.setattr(mod, linear.CONV, counted_conv)
     monkeypatch.setattr(mod, linear._MARK, False, raising=False)  # prepared afresh, undone after the test
@@ -624,15 +650,16 @@ def test_gated_deltanet_layers_compile_around_their_recurrent_kernel(arch, tiny_
         weight = gdn[0].conv1d.weight.squeeze(1)
         assert torch.equal(mod.causal_conv1d_fn(x, weight, None, activation="silu"),
                            conv(x, weight, None, activation="silu"))
+        assert calls["conv"] == [False]  # transformers' own, called eager
     finally:
         kernels.compile_layers(layers, on=False)
         torch._dynamo.reset()
 
 
-
 def test_compile_layers_auto_leaves_gated_deltanet_targets_eager(tiny_target, caplog):  # noqa: F811
     """--compile-layers auto (what a long GPU run asks for) leaves a target with Gated DeltaNet layers eager and says
-    so: compiled, a Qwen3.6-27B-shaped command's start-up ran past 7 minutes on one H100."""
+    so: compiled whole, a Qwen3.6-27B-shaped command's start-up ran past 7 minutes on one H100, and compiled around
+    the recurrent kernel (targets/linear.py) it is not yet measured faster on a GPU."""
     from dflash.targets.runner import TargetRunner
 
     with caplog.at_level(logging.INFO, logger="dflash"):

@@ -44,15 +44,20 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def write_durable(path: str | os.PathLike, data: bytes | str | memoryview) -> None:
     """Write `data` to `path` (created or truncated) and fsync it; not atomic: for files inside a temp folder."""
-    view = memoryview(data.encode("utf-8") if isinstance(data, str) else data).cast("B")
     fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
+        _write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | str | memoryview) -> None:
+    """Write all of data (str as UTF-8) to fd, however many writes it takes."""
+    view = memoryview(data.encode("utf-8") if isinstance(data, str) else data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str, *, suffix: str = ".tmp", tag: str | None = None) -> None:
@@ -86,12 +91,9 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, *, suffix: str = ".
 
 def _write_through(path: Path, data: bytes | str) -> None:
     """Write data to an existing device, pipe or socket as it is (no temp file: there is nothing to replace)."""
-    view = memoryview(data.encode("utf-8") if isinstance(data, str) else data).cast("B")
     fd = os.open(os.fspath(path), os.O_WRONLY)
     try:
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
+        _write_all(fd, data)
         try:
             os.fsync(fd)
         except OSError as e:  # a device or pipe without a notion of durability

@@ -63,18 +63,15 @@ def _conv_kernel_installed() -> bool:
     return True
 
 
-def prepare(layer: Any) -> int:
+def prepare(layer: Any) -> None:
     """Make the Gated DeltaNet modules' recurrent kernels in the layer opaque to torch.compile and, under
-    transformers' F.conv1d fallback, their compiled convolution shifted_conv; once per modeling file (their
-    module-level functions), leaving eager calls as they were. Return how many Gated DeltaNet modules it found."""
+    transformers' F.conv1d fallback, their compiled convolution shifted_conv (causal-conv1d's kernel, where it is
+    installed, opaque as well); once per modeling file (their module-level functions), leaving eager calls as they
+    were."""
     import torch
 
-    found = 0
     for sub in layer.modules():
-        if not is_linear_attention(sub):
-            continue
-        found += 1
-        mod = sys.modules.get(type(sub).__module__)
+        mod = sys.modules.get(type(sub).__module__) if is_linear_attention(sub) else None
         if mod is None or getattr(mod, _MARK, False):
             continue
         for name in RECURRENT:
@@ -83,10 +80,9 @@ def prepare(layer: Any) -> int:
                 setattr(mod, name, torch.compiler.disable(fn))
         conv = getattr(mod, CONV, None)
         if callable(conv):
-            setattr(mod, CONV, _conv_under_compile(conv, torch.compiler.disable(conv) if _conv_kernel_installed()
-                                                   else shifted_conv))
+            setattr(mod, CONV, torch.compiler.disable(conv) if _conv_kernel_installed()
+                    else _conv_under_compile(conv, shifted_conv))
         setattr(mod, _MARK, True)
-    return found
 
 
 def _conv_under_compile(eager: Any, compiled: Any) -> Any:
